@@ -1,0 +1,192 @@
+"""TrainState: everything needed to continue a run, and nothing else.
+
+The state is an immutable attrs class registered as an optree pytree (namespace
+``pimm_fn``). Tensor leaves: ``step``, ``params``, ``buffers``, ``opt_state`` and the
+loss-scale state. Host leaves (plain ints, never passed into a compiled graph): the RNG
+key and the data cursor. Static fields, kept out of the leaves: the model (used only
+through ``torch.func.functional_call``) and the optimizer transform.
+
+``replace`` builds the new object with ``object.__new__`` + ``__dict__.update`` because
+attrs' frozen ``__init__`` / ``evolve`` go through ``object.__setattr__``, which dynamo
+cannot trace on torch 2.13 (see DESIGN.md); this way ``replace`` works inside
+``torch.compile(fullgraph=True)``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import attrs
+import optree
+import torch
+
+from .tree import NAMESPACE
+
+
+def _replace(obj, changes: dict):
+    unknown = set(changes) - set(obj.__dict__)
+    if unknown:
+        raise TypeError(
+            f"{type(obj).__name__}.replace() got unknown field(s) {sorted(unknown)}; "
+            f"valid fields: {sorted(obj.__dict__)}"
+        )
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
+@attrs.frozen(slots=False)
+class Cursor:
+    """Where the run is in its data: host integers, advanced by ``fit``, not by steps.
+
+    epoch: the epoch being trained (0-based).
+    position: batches of this epoch already consumed.
+    seed: the data seed; the sampler's order is a pure function of (seed, epoch, rank,
+        world_size), so (seed, epoch, position) positions any loader exactly.
+    samples_seen: samples consumed by the run over all ranks.
+    """
+
+    epoch: int = 0
+    position: int = 0
+    seed: int = 0
+    samples_seen: int = 0
+
+    def replace(self, **changes) -> "Cursor":
+        return _replace(self, changes)
+
+
+@attrs.frozen(slots=False)
+class RngKey:
+    """A counter-based RNG key held on the host (JAX-style: each step consumes one key).
+
+    The step wrapper seeds torch's generator from ``(seed, counter)`` before a step runs
+    and hands back the key with ``counter + 1``, so dropout and sampling are a pure
+    function of the state: the same state and batch give the same result, eager or
+    compiled, and a restored state continues the exact random stream.
+    """
+
+    seed: int = 0
+    counter: int = 0
+
+    def step_seed(self) -> int:
+        """The 63-bit seed for the step that consumes this key (splitmix64 mix)."""
+        z = (self.seed * 0x9E3779B97F4A7C15 + self.counter + 1) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+        return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+    def next(self) -> "RngKey":
+        return _replace(self, {"counter": self.counter + 1})
+
+    def replace(self, **changes) -> "RngKey":
+        return _replace(self, changes)
+
+
+@attrs.frozen(slots=False, eq=False)
+class TrainState:
+    """The immutable training state. Create it with :meth:`TrainState.create`.
+
+    step: 0-dim int64 tensor, the number of step calls applied to this state (a step
+        skipped for non-finite gradients still counts here; the optimizer's own count,
+        which drives schedules, lives in ``opt_state`` and does not advance).
+    params / buffers: dicts name -> tensor, named as ``named_parameters`` /
+        ``named_buffers`` name them.
+    opt_state: the optimizer transform's state (a pytree of tensors).
+    loss_scale: :class:`pimm_fn.amp.LossScaleState` or None when loss scaling is off.
+    rng: :class:`RngKey`; cursor: :class:`Cursor`.
+    model / tx: static; the module (a structure only, its own tensors are never read by
+        a step) and the :class:`pimm_fn.optim.GradientTransformation`.
+    extra: a dict of further tensor pytrees a step function keeps in the state (for
+        example GRPO's frozen reference-policy params). Empty for supervised training.
+    """
+
+    step: torch.Tensor
+    params: dict
+    buffers: dict
+    opt_state: Any
+    loss_scale: Any
+    rng: RngKey
+    cursor: Cursor
+    model: Any = attrs.field(repr=False)
+    tx: Any = attrs.field(repr=False)
+    extra: dict = attrs.field(factory=dict)
+
+    def replace(self, **changes) -> "TrainState":
+        """A new state with ``changes``; traceable inside ``torch.compile(fullgraph=True)``."""
+        return _replace(self, changes)
+
+    @classmethod
+    def create(
+        cls,
+        model: torch.nn.Module,
+        optimizer,
+        *,
+        loss_scale=None,
+        seed: int = 0,
+        data_seed: Optional[int] = None,
+        extra: Optional[dict] = None,
+    ) -> "TrainState":
+        """Build the initial state from a module and a transform.
+
+        The params and buffers are detached copies: later changes to ``model`` do not
+        touch the state and the state never writes into ``model``.
+        loss_scale: None (off), True (the default dynamic scale: init 2**16, growth 2
+            every 2000 finite steps, backoff 0.5) or a ready ``LossScaleState``.
+        seed: the RNG key's seed; data_seed: the cursor's seed (defaults to ``seed``).
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"TrainState.create needs an nn.Module, got {type(model).__name__}")
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        if not params:
+            raise ValueError(f"{type(model).__name__} has no parameters to train")
+        buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+        opt_state = optimizer.init(params)
+        if loss_scale is True:
+            from .amp import init_loss_scale
+
+            loss_scale = init_loss_scale()
+        elif loss_scale is False:
+            loss_scale = None
+        device = next(iter(params.values())).device
+        return cls(
+            step=torch.zeros((), dtype=torch.int64, device=device),
+            params=params,
+            buffers=buffers,
+            opt_state=opt_state,
+            loss_scale=loss_scale,
+            rng=RngKey(seed=int(seed), counter=0),
+            cursor=Cursor(seed=int(seed if data_seed is None else data_seed)),
+            model=model,
+            tx=optimizer,
+            extra=dict(extra or {}),
+        )
+
+
+_LEAF_FIELDS = ("step", "params", "buffers", "opt_state", "loss_scale", "rng", "cursor", "extra")
+
+
+def _flatten_state(s: TrainState):
+    children = tuple(getattr(s, f) for f in _LEAF_FIELDS)
+    return children, (s.model, s.tx), _LEAF_FIELDS
+
+
+def _unflatten_state(meta, children):
+    new = object.__new__(TrainState)
+    new.__dict__.update(dict(zip(_LEAF_FIELDS, children)))
+    new.__dict__["model"], new.__dict__["tx"] = meta
+    return new
+
+
+optree.register_pytree_node(TrainState, _flatten_state, _unflatten_state, namespace=NAMESPACE)
+optree.register_pytree_node(
+    Cursor,
+    lambda c: ((c.epoch, c.position, c.seed, c.samples_seen), None, ("epoch", "position", "seed", "samples_seen")),
+    lambda _, ch: Cursor(*ch),
+    namespace=NAMESPACE,
+)
+optree.register_pytree_node(
+    RngKey,
+    lambda r: ((r.seed, r.counter), None, ("seed", "counter")),
+    lambda _, ch: RngKey(*ch),
+    namespace=NAMESPACE,
+)
