@@ -1,0 +1,13 @@
+"""Shared test set-up: one inductor cache for the whole session, deterministic threads."""
+import os
+import tempfile
+
+# A per-session inductor/FX cache: compiled steps shared across test modules (and across
+# the subprocesses tests launch) warm-start instead of compiling from scratch.
+_CACHE = os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "pimm_fn_test_inductor_cache")
+)
+
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
