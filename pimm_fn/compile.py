@@ -1,0 +1,159 @@
+"""The compile boundary: a step's host prelude/epilogue and ``compile_step``.
+
+A step function is pure over the tensor part of a :class:`TrainState`. Two host-side
+leaves never enter a compiled graph: the RNG key and the data cursor (Python ints would
+be guarded by value and recompile every step). :class:`Step` is the boundary: it seeds
+torch's generator from the state's RNG key, calls the pure core on the state without
+those leaves, and hands back the state with the key advanced and the cursor untouched.
+``compile_step`` compiles the core with ``fullgraph=True`` and counts its compilations.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch._dynamo
+
+from .state import TrainState
+
+StepCore = Callable[[TrainState, Any], tuple]
+
+
+def _run_core(core: StepCore, state: TrainState, batch):
+    if not isinstance(state, TrainState):
+        raise TypeError(f"a step takes a TrainState as its first argument, got {type(state).__name__}")
+    # Randomness inside a step (dropout, sampling) comes from torch's generator, seeded
+    # from the state's key: the same state and batch always give the same result.
+    torch.manual_seed(state.rng.step_seed())
+    new_state, metrics = core(state.replace(rng=None, cursor=None), batch)
+    return new_state.replace(rng=state.rng.next(), cursor=state.cursor), metrics
+
+
+class Step:
+    """A pure step ``(state, batch) -> (state, metrics)`` with its host boundary.
+
+    core: the pure function over the state's tensor leaves. It must not read
+        ``state.rng`` or ``state.cursor`` (they are None inside) and should advance
+        ``state.step``. Calling a Step runs it eagerly; ``compile_step`` compiles it.
+    """
+
+    def __init__(self, core: StepCore, *, name: Optional[str] = None, raise_on_nonfinite: bool = False):
+        self.core = core
+        self.name = name or getattr(core, "__name__", "step")
+        self.raise_on_nonfinite = raise_on_nonfinite
+        functools.update_wrapper(self, core, updated=())
+
+    def __call__(self, state: TrainState, batch):
+        new_state, metrics = _run_core(self.core, state, batch)
+        _check_finite(self, state, metrics)
+        return new_state, metrics
+
+    def __repr__(self):
+        return f"Step({self.name})"
+
+
+def _check_finite(step: "Step", state: TrainState, metrics: dict):
+    # Only when the user chose to raise: reading the flag is a host sync.
+    if step.raise_on_nonfinite and "skipped" in metrics and bool(metrics["skipped"]):
+        raise FloatingPointError(
+            f"non-finite loss or gradients at step {int(state.step)} "
+            f"(loss={float(metrics.get('loss', float('nan')))}); the update was not applied. "
+            "Lower the learning rate, enable clipping or loss scaling, or build the step with "
+            "nonfinite='skip' to skip such steps and count them."
+        )
+
+
+def as_step(fn) -> Step:
+    """Wrap a plain core function as a :class:`Step` (a Step is returned unchanged)."""
+    return fn if isinstance(fn, Step) else Step(fn)
+
+
+class CompiledStep:
+    """A :class:`Step` compiled with ``fullgraph=True``, counting its compilations.
+
+    compile_count: how many graphs were compiled (1 in steady state; each recompile +1).
+    recompile_reasons: dynamo's guard failures that triggered each recompile.
+    compile_seconds: wall time of the calls that compiled.
+    """
+
+    def __init__(self, step: Step, *, eager: bool = False, dynamic: Optional[bool] = None,
+                 mode: Optional[str] = None, options: Optional[dict] = None,
+                 recompile_limit: Optional[int] = None):
+        self.step = step
+        self.eager = eager
+        self.compile_count = 0
+        self.recompile_reasons: list[str] = []
+        self.compile_seconds: list[float] = []
+        self._pending_reasons: list[str] = []
+        if eager:
+            self._core = step.core
+            return
+        patches = dict(options or {})
+        if mode is not None:
+            from torch._inductor import list_mode_options
+
+            patches = {**list_mode_options(mode, dynamic), **patches}
+
+        def backend(gm, example_inputs):
+            from torch._inductor.compile_fx import compile_fx
+
+            self.compile_count += 1
+            if self.compile_count > 1:
+                self.recompile_reasons.extend(self._pending_reasons or ["unknown"])
+            return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+        def on_guard_fail(failure):
+            self._pending_reasons.append(str(failure.reason))
+
+        self._core = torch._dynamo.optimize(
+            backend, nopython=True, dynamic=dynamic, guard_fail_fn=on_guard_fail,
+            recompile_limit=recompile_limit, isolate_recompiles=True,
+        )(step.core)
+
+    def __call__(self, state: TrainState, batch):
+        self._pending_reasons = []
+        before = self.compile_count
+        start = time.perf_counter()
+        # trace_autograd_ops: lets dynamo trace torch.autograd.grad, which (unlike
+        # torch.func transforms) handles BatchNorm's in-place buffer updates.
+        try:
+            with torch._dynamo.config.patch(trace_autograd_ops=True):
+                new_state, metrics = _run_core(self._core, state, batch)
+        except torch._dynamo.exc.Unsupported as compile_error:
+            # Dynamo reports a user error raised while tracing (a missing "loss", a shape
+            # mismatch) as "Observed exception". Running the pure core eagerly once turns
+            # it back into the user's own error; the inputs are never mutated, so this is safe.
+            try:
+                _run_core(self.step.core, state, batch)
+            except Exception as user_error:
+                raise user_error from compile_error
+            raise
+        if self.compile_count != before:
+            self.compile_seconds.append(time.perf_counter() - start)
+        _check_finite(self.step, state, metrics)
+        return new_state, metrics
+
+    @property
+    def name(self) -> str:
+        return self.step.name
+
+    def __repr__(self):
+        return f"CompiledStep({self.step.name}, compiles={self.compile_count}, eager={self.eager})"
+
+
+def compile_step(step_fn, *, eager: bool = False, dynamic: Optional[bool] = None,
+                 mode: Optional[str] = None, options: Optional[dict] = None,
+                 recompile_limit: Optional[int] = None) -> CompiledStep:
+    """Compile a step with ``torch.compile(fullgraph=True)`` semantics.
+
+    step_fn: a :class:`Step` or a plain core function over TrainState.
+    eager: run uncompiled (for debugging) behind the same interface.
+    dynamic: torch.compile's ``dynamic``; the default (None) compiles static first and
+        makes a varying dimension (the point count) dynamic on the first recompile.
+    mode / options: inductor mode (e.g. "max-autotune") and config patches.
+    Any graph break is an error (``fullgraph``), naming the offending operation.
+    """
+    return CompiledStep(as_step(step_fn), eager=eager, dynamic=dynamic, mode=mode,
+                        options=options, recompile_limit=recompile_limit)

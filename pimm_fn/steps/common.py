@@ -1,0 +1,93 @@
+"""Pieces shared by step functions: the functional forward/backward and metric helpers."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch.func import functional_call
+
+from ..tree import tree_map
+
+
+class MissingLossError(KeyError):
+    """The model's output has no ``"loss"`` entry."""
+
+    def __str__(self):  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+def call_model(model: torch.nn.Module, params: dict, buffers: dict, batch, autocast=None):
+    """``model(batch)`` through ``functional_call`` with the given params and buffers."""
+    ctx = autocast.context(next(iter(params.values())).device) if autocast is not None else None
+    if ctx is None:
+        return functional_call(model, (params, buffers), (batch,))
+    with ctx:
+        return functional_call(model, (params, buffers), (batch,))
+
+
+def require_loss(out, loss_key: str = "loss") -> torch.Tensor:
+    """The scalar loss from a Pointcept-style output dict, with a clear error if absent."""
+    if not isinstance(out, dict):
+        raise MissingLossError(
+            f"the model returned {type(out).__name__}; a step needs model(batch) to return a "
+            f"dict with a {loss_key!r} entry (Pointcept's convention) in training"
+        )
+    if loss_key not in out:
+        raise MissingLossError(
+            f"the model's output has no {loss_key!r} entry (keys: {sorted(out)}); return the "
+            f"training loss as out[{loss_key!r}] or build the step with loss_key=<your key>"
+        )
+    return out[loss_key]
+
+
+def forward_backward(model, params: dict, buffers: dict, batch, *, scale: Optional[torch.Tensor] = None,
+                     autocast=None, loss_key: str = "loss"):
+    """Loss, output dict, gradients (of ``loss * scale``) and the updated buffers.
+
+    Uses ``torch.autograd.grad`` over ``functional_call`` on detached leaves: unlike
+    ``torch.func.grad`` it lets BatchNorm update its (cloned) running statistics under
+    ``torch.compile(fullgraph=True)``. Neither ``params`` nor ``buffers`` is mutated.
+    """
+    leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    new_buffers = {k: v.clone() for k, v in buffers.items()}
+    out = call_model(model, leaves, new_buffers, batch, autocast)
+    loss = require_loss(out, loss_key).float()
+    objective = loss if scale is None else loss * scale
+    grads = torch.autograd.grad(objective, list(leaves.values()), allow_unused=True)
+    grads = {
+        k: (g if g is not None else torch.zeros_like(params[k])).detach()
+        for k, g in zip(leaves, grads)
+    }
+    return loss.detach(), out, grads, new_buffers
+
+
+def scalar_metrics(out: dict, skip: Sequence[str] = ()) -> dict:
+    """The 0-dim (or 1-element) tensor entries of a model output, detached, as float32."""
+    metrics = {}
+    if isinstance(out, dict):
+        for k, v in out.items():
+            if k in skip or not isinstance(v, torch.Tensor) or v.numel() != 1:
+                continue
+            metrics[k] = v.detach().float().reshape(())
+    return metrics
+
+
+def point_batch_stats(batch) -> dict:
+    """``avg_pts`` (points per cloud) for a point batch with an ``offset`` entry."""
+    if isinstance(batch, dict) and isinstance(batch.get("offset"), torch.Tensor) and batch["offset"].numel() > 0:
+        offset = batch["offset"]
+        return {"avg_pts": offset[-1].float() / offset.shape[0]}
+    return {}
+
+
+def keep_finite_buffers(new: dict, old: dict) -> dict:
+    """Take each updated buffer unless it went non-finite (a NaN batch must not poison BN)."""
+    return {k: torch.where(torch.isfinite(new[k]).all(), new[k], old[k]) for k in new}
+
+
+def weighted_sum(trees: Sequence[Any], weights: Sequence[torch.Tensor]):
+    """``sum_i w_i * tree_i`` leafwise."""
+    total = tree_map(lambda t: t * weights[0], trees[0])
+    for tree, w in zip(trees[1:], weights[1:]):
+        total = tree_map(lambda a, t: a + t * w, total, tree)
+    return total

@@ -1,0 +1,125 @@
+"""The supervised step: forward, backward, (unscale), clip, optimizer update, all pure.
+
+Replaces the seed trainer's ``run_step``. The step reads the model only through
+``functional_call``; BatchNorm statistics come back in the new state's buffers.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..amp import LossScaleConfig, as_autocast, unscale_factor, update_loss_scale
+from ..compile import Step
+from ..optim.base import apply_updates
+from ..tree import all_finite, global_norm, tree_map, tree_where
+from .common import forward_backward, keep_finite_buffers, point_batch_stats, scalar_metrics, weighted_sum
+
+GradTransform = Callable[[dict], dict]
+
+
+def supervised(
+    *,
+    clip_grad: Optional[float] = None,
+    autocast=None,
+    loss_scale: LossScaleConfig = LossScaleConfig(),
+    nonfinite: str = "skip",
+    loss_key: str = "loss",
+    grad_transform: Optional[GradTransform] = None,
+    accumulate: int = 1,
+    microbatch_weight: Optional[Callable] = None,
+) -> Step:
+    """Build the pure supervised step ``(state, batch) -> (state, metrics)``.
+
+    clip_grad: max global gradient norm (``clip_grad_norm_`` semantics), or None.
+    autocast: None, "bfloat16", "float16" or an :class:`pimm_fn.amp.Autocast`.
+    loss_scale: growth/backoff settings; scaling is on when the state has a loss scale
+        (``TrainState.create(..., loss_scale=True)``).
+    nonfinite: what a non-finite loss or gradient does: "skip" (the update is not
+        applied; ``metrics["skipped"]`` is 1) or "raise" (FloatingPointError, a host sync).
+        Under loss scaling such steps are always skipped, as GradScaler does.
+    grad_transform: applied to the (unscaled) gradients before clipping, e.g. the
+        all-reduce of data parallelism.
+    accumulate: n > 1 takes a sequence of n micro-batches per step and applies one
+        update with the gradient of their weighted mean loss.
+    microbatch_weight: ``batch -> weight`` for accumulation (default: equal weights);
+        use the sample or point count to equal one step on the concatenated batch.
+    Metrics (0-dim tensors): loss, every scalar the model returns, lr per group,
+    grad_norm (before clipping), loss_scale, skipped, avg_pts for point batches.
+    """
+    if nonfinite not in ("skip", "raise"):
+        raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+    if accumulate < 1:
+        raise ValueError(f"accumulate must be >= 1, got {accumulate}")
+    policy = as_autocast(autocast)
+
+    def supervised_step(state, batch):
+        scaler = state.loss_scale
+        scale = scaler.scale if scaler is not None else None
+        micro = _as_microbatches(batch, accumulate)
+        losses, outs, grad_list, buffers = [], [], [], state.buffers
+        for mb in micro:
+            loss, out, grads, buffers = forward_backward(
+                state.model, state.params, buffers, mb, scale=scale, autocast=policy, loss_key=loss_key
+            )
+            losses.append(loss), outs.append(out), grad_list.append(grads)
+        weights = _weights(micro, microbatch_weight)
+        grads = grad_list[0] if accumulate == 1 else weighted_sum(grad_list, weights)
+        loss = losses[0] if accumulate == 1 else sum(w * l for w, l in zip(weights, losses))
+        if scale is not None:
+            inv = unscale_factor(scaler)
+            grads = tree_map(lambda g: g * inv, grads)
+        if grad_transform is not None:
+            grads = grad_transform(grads)
+        finite = all_finite(grads) & torch.isfinite(loss)
+        grad_norm = global_norm(grads)
+        if clip_grad is not None:
+            coef = torch.clamp(clip_grad / (grad_norm + 1e-6), max=1.0)
+            grads = tree_map(lambda g: g * coef, grads)
+        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+        params = apply_updates(state.params, updates)
+        params = tree_where(finite, params, state.params)
+        opt_state = tree_where(finite, opt_state, state.opt_state)
+        new_scaler = update_loss_scale(scaler, finite, loss_scale) if scaler is not None else None
+
+        metrics = scalar_metrics(outs[-1], skip=(loss_key,))
+        metrics["loss"] = loss
+        if state.tx.hyperparams is not None:
+            for k, v in state.tx.hyperparams(state.opt_state).items():
+                metrics[k] = v.detach().float().reshape(())
+        metrics["grad_norm"] = grad_norm
+        metrics["skipped"] = (~finite).float()
+        if scaler is not None:
+            metrics["loss_scale"] = scaler.scale
+        for mb in micro[:1]:
+            metrics.update(point_batch_stats(mb))
+        new_state = state.replace(
+            step=state.step + 1,
+            params=params,
+            buffers=keep_finite_buffers(buffers, state.buffers),
+            opt_state=opt_state,
+            loss_scale=new_scaler,
+        )
+        return new_state, metrics
+
+    return Step(supervised_step, name="supervised", raise_on_nonfinite=(nonfinite == "raise"))
+
+
+def _as_microbatches(batch, n: int) -> Sequence:
+    if n == 1:
+        return (batch,)
+    if not isinstance(batch, (list, tuple)) or len(batch) != n:
+        raise ValueError(
+            f"a step built with accumulate={n} takes a sequence of {n} micro-batches, got "
+            f"{type(batch).__name__}{'' if not isinstance(batch, (list, tuple)) else ' of length %d' % len(batch)}; "
+            "pass a list of n micro-batches per step"
+        )
+    return tuple(batch)
+
+
+def _weights(micro: Sequence, weight_fn) -> list:
+    if weight_fn is None:
+        return [1.0 / len(micro)] * len(micro)
+    raw = [torch.as_tensor(weight_fn(mb), dtype=torch.float32) for mb in micro]
+    total = sum(raw)
+    return [w / total for w in raw]
