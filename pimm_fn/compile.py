@@ -157,3 +157,17 @@ def compile_step(step_fn, *, eager: bool = False, dynamic: Optional[bool] = None
     """
     return CompiledStep(as_step(step_fn), eager=eager, dynamic=dynamic, mode=mode,
                         options=options, recompile_limit=recompile_limit)
+
+
+def explain_step(step_fn, state: TrainState, batch):
+    """``torch._dynamo.explain`` over a step's pure core: graphs, graph breaks and reasons.
+
+    Returns dynamo's ExplainOutput. A clean step has ``graph_break_count == 0`` and an
+    empty ``break_reasons`` (both matter: the count alone can read 0 while a reason is
+    listed). The state is not mutated.
+    """
+    step = as_step(step_fn)
+    inner = state.replace(rng=None, cursor=None)
+    torch.manual_seed(state.rng.step_seed())
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        return torch._dynamo.explain(step.core)(inner, batch)

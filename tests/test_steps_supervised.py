@@ -1,0 +1,235 @@
+"""The supervised step against the real torch components, purity and compile checks."""
+import copy
+
+import pytest
+import torch
+
+from pimm_fn.amp import LossScaleConfig
+from pimm_fn.compile import compile_step, explain_step
+from pimm_fn.state import TrainState
+from pimm_fn.steps import supervised
+from pimm_fn.steps.common import MissingLossError
+from pimm_fn.tree import tree_leaves
+from pimm_fn import optim, schedules
+
+
+class BNNet(torch.nn.Module):
+    """A small classifier with BatchNorm and optional dropout, Pointcept output style."""
+
+    def __init__(self, dropout=0.0, loss_key="loss"):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(6, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+            torch.nn.Dropout(dropout), torch.nn.Linear(32, 4),
+        )
+        self.loss_key = loss_key
+
+    def forward(self, batch):
+        logits = self.body(batch["x"])
+        out = {"cls_logits": logits, "acc": (logits.argmax(1) == batch["y"]).float().mean()}
+        if "y" in batch:
+            out[self.loss_key] = torch.nn.functional.cross_entropy(logits, batch["y"])
+        return out
+
+
+def make_batches(n, batch=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(batch, 6, generator=g), "y": torch.randint(0, 4, (batch,), generator=g)} for _ in range(n)]
+
+
+TOTAL = 50
+
+
+def make_tx():
+    sched = schedules.one_cycle(total_steps=TOTAL, max_lr=0.01, pct_start=0.3)
+    return optim.adamw(lr=sched, weight_decay=0.01)
+
+
+@pytest.fixture(scope="module")
+def compiled_adamw_step():
+    # One compiled step shared by the tests of this module (compiling costs ~30 s here).
+    return compile_step(supervised(clip_grad=1.0))
+
+
+def snapshot(state):
+    return [t.clone() if isinstance(t, torch.Tensor) else t for t in tree_leaves(state)]
+
+
+def assert_unchanged(state, before):
+    after = tree_leaves(state)
+    assert len(after) == len(before)
+    for a, b in zip(after, before):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), "a step mutated its input state"
+        else:
+            assert a == b
+
+
+def test_step_is_pure_eager_and_compiled(compiled_adamw_step):
+    torch.manual_seed(0)
+    state = TrainState.create(BNNet(), make_tx(), loss_scale=True)
+    batch = make_batches(1)[0]
+    before = snapshot(state)
+    new_eager, _ = supervised(clip_grad=1.0)(state, batch)
+    assert_unchanged(state, before)
+    new_compiled, _ = compiled_adamw_step(state, batch)
+    assert_unchanged(state, before)
+    # The new states really moved (the check above is not vacuous).
+    assert not torch.equal(new_eager.params["body.0.weight"], state.params["body.0.weight"])
+    assert int(new_compiled.buffers["body.1.num_batches_tracked"]) == 1
+    assert new_compiled.rng.counter == state.rng.counter + 1
+    assert new_compiled.cursor == state.cursor
+
+
+def test_compiled_eager_and_seed_style_loop_agree(compiled_adamw_step):
+    """50 steps: compiled, eager and nn.Module + torch.optim + OneCycleLR + clip agree to 1e-5."""
+    torch.manual_seed(1)
+    model = BNNet()
+    reference = copy.deepcopy(model)
+    batches = make_batches(TOTAL, seed=1)
+
+    opt = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=TOTAL, pct_start=0.3)
+    reference.train()
+    for b in batches:  # the seed's run_step, mutable
+        out = reference(b)
+        opt.zero_grad()
+        out["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        opt.step()
+        sched.step()
+
+    eager_step = supervised(clip_grad=1.0)
+    s_eager = s_comp = TrainState.create(model, make_tx())
+    for b in batches:
+        s_eager, _ = eager_step(s_eager, b)
+        s_comp, m = compiled_adamw_step(s_comp, b)
+    assert compiled_adamw_step.compile_count <= 2  # loss_scale None vs set in the other test
+
+    ref_params = dict(reference.named_parameters())
+    ref_buffers = dict(reference.named_buffers())
+    for name, p in ref_params.items():
+        assert (s_eager.params[name] - p.detach()).abs().max() <= 1e-5, name
+        assert (s_comp.params[name] - p.detach()).abs().max() <= 1e-5, name
+    for name, bf in ref_buffers.items():
+        assert torch.allclose(s_comp.buffers[name].float(), bf.float(), atol=1e-5), name
+    assert int(s_comp.step) == TOTAL
+
+
+def test_zero_graph_breaks_and_one_compile_over_changing_lr():
+    state = TrainState.create(BNNet(), optim.adamw(lr=schedules.cosine(total_steps=100, base_lr=0.05)))
+    batches = make_batches(100, seed=2)
+    explanation = explain_step(supervised(clip_grad=1.0), state, batches[0])
+    assert explanation.graph_break_count == 0
+    assert not explanation.break_reasons
+    assert explanation.graph_count == 1
+    step = compile_step(supervised(clip_grad=1.0))
+    lrs = []
+    for b in batches:
+        state, m = step(state, b)
+        lrs.append(float(m["lr"]))
+    assert step.compile_count == 1, step.recompile_reasons
+    assert len(set(lrs)) > 50  # the learning rate really changed every step
+
+
+def test_loss_scale_matches_grad_scaler_with_inf_and_nan():
+    torch.manual_seed(3)
+    model = torch.nn.Linear(5, 2)
+    reference = copy.deepcopy(model)
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, b):
+            return {"loss": ((self.lin(b["x"]) - b["y"]) ** 2).mean()}
+
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for t in range(30):
+        x = torch.randn(8, 5, generator=g)
+        if t in (4, 5, 17):
+            x[0, 0] = float("inf")
+        if t == 11:
+            x[1, 2] = float("nan")
+        batches.append({"x": x, "y": torch.randn(8, 2, generator=g)})
+
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
+    ref_scales, ref_skipped = [], []
+    for b in batches:
+        opt.zero_grad()
+        scale_before = scaler.get_scale()
+        scaler.scale(((reference(b["x"]) - b["y"]) ** 2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        ref_scales.append(scale_before)
+        ref_skipped.append(scaler.get_scale() < scale_before)
+
+    step = supervised(loss_scale=LossScaleConfig(growth_interval=3))
+    state = TrainState.create(Wrapped(model), optim.sgd(lr=0.05, momentum=0.9), loss_scale=True)
+    scales, skipped = [], []
+    for b in batches:
+        state, m = step(state, b)
+        scales.append(float(m["loss_scale"]))
+        skipped.append(bool(m["skipped"]))
+    assert scales == ref_scales
+    assert skipped == ref_skipped and sum(skipped) == 4
+    assert max(scales) > 2.0**16  # growth happened too
+    for name, p in reference.named_parameters():
+        assert torch.allclose(state.params["lin." + name], p.detach(), atol=1e-6)
+
+
+def test_nonfinite_without_scaler_skip_or_raise():
+    state = TrainState.create(BNNet(), optim.sgd(lr=0.1))
+    bad = make_batches(1)[0]
+    bad["x"][0, 0] = float("nan")
+    new, m = supervised(nonfinite="skip")(state, bad)
+    assert float(m["skipped"]) == 1.0
+    for k in state.params:
+        assert torch.equal(new.params[k], state.params[k])
+    # BatchNorm statistics poisoned by the NaN batch are not taken either.
+    assert torch.isfinite(new.buffers["body.1.running_mean"]).all()
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        supervised(nonfinite="raise")(state, bad)
+
+
+def test_accumulation_equals_one_step_on_concatenated_batch():
+    torch.manual_seed(4)
+
+    class Lin(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 4)
+
+        def forward(self, b):
+            return {"loss": torch.nn.functional.cross_entropy(self.lin(b["x"]), b["y"])}
+
+    model = Lin()
+    tx = optim.adamw(lr=0.01)
+    parts = make_batches(3, batch=8, seed=4)
+    parts[2] = {k: v[:4] for k, v in parts[2].items()}  # unequal micro-batches
+    whole = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    s_whole, _ = supervised()(TrainState.create(model, tx), whole)
+    s_acc, m = supervised(accumulate=3, microbatch_weight=lambda b: b["y"].shape[0])(TrainState.create(model, tx), parts)
+    for k in s_whole.params:
+        assert torch.allclose(s_whole.params[k], s_acc.params[k], atol=1e-6), k
+    with pytest.raises(ValueError, match="3 micro-batches"):
+        supervised(accumulate=3)(TrainState.create(model, tx), whole)
+
+
+def test_missing_loss_is_a_clear_error_eager_and_compiled():
+    state = TrainState.create(BNNet(loss_key="nll"), optim.sgd(lr=0.1))
+    batch = make_batches(1)[0]
+    with pytest.raises(MissingLossError, match="no 'loss' entry.*nll"):
+        supervised()(state, batch)
+    with pytest.raises(MissingLossError, match="no 'loss' entry"):
+        compile_step(supervised())(state, batch)
+
+
+def test_metrics_are_zero_dim_tensors():
+    state = TrainState.create(BNNet(), make_tx(), loss_scale=True)
+    _, m = supervised(clip_grad=1.0)(state, make_batches(1)[0])
+    for k in ("loss", "acc", "lr", "grad_norm", "skipped", "loss_scale"):
+        assert isinstance(m[k], torch.Tensor) and m[k].dim() == 0, k
