@@ -1,0 +1,321 @@
+"""Learning-rate and momentum schedules: pure functions of the optimizer's step count.
+
+A schedule maps a 0-dim int64 ``count`` tensor (the number of updates already applied)
+to a 0-dim float32 tensor: the value the next update uses. That is exactly what a torch
+scheduler's ``get_last_lr()`` holds after ``count`` calls to ``scheduler.step()``.
+
+Values are computed in float64, like torch's schedulers (which compute in Python
+floats), and only the result is rounded to float32, so they match torch within float32
+rounding. Every factory checks its horizon once, on the host; the returned function is
+plain tensor code that traces under ``torch.compile(fullgraph=True)``.
+
+Past its horizon a schedule holds its final value (torch raises or wraps around
+instead), so extending a run by raising the number of epochs is defined behaviour.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence, Union
+
+import torch
+
+Schedule = Callable[[torch.Tensor], torch.Tensor]
+
+__all__ = [
+    "Schedule",
+    "constant",
+    "cosine",
+    "exp",
+    "linear_warmup",
+    "multistep",
+    "multistep_with_warmup",
+    "one_cycle",
+    "one_cycle_momentum",
+    "poly",
+]
+
+
+def _check_total_steps(total_steps, where: str) -> int:
+    """``total_steps`` as a positive int, or a ValueError that says what usually went wrong."""
+    if isinstance(total_steps, bool) or int(total_steps) != total_steps:
+        raise TypeError(f"{where}: total_steps must be an integer, got {total_steps!r}")
+    total_steps = int(total_steps)
+    if total_steps <= 0:
+        raise ValueError(
+            f"{where}: total_steps must be positive, got {total_steps}. total_steps is "
+            "usually (optimizer steps per epoch) * epochs, so 0 means the training data "
+            "loader yields no batches: check the dataset path and split, and that the "
+            "dataset has at least batch_size samples per rank when drop_last=True."
+        )
+    return total_steps
+
+
+def _steps(count: torch.Tensor, last: int) -> torch.Tensor:
+    """The step as float64, held at ``last`` past the horizon (and at 0 below it)."""
+    return count.clamp(0, last).to(torch.float64)
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float32)
+
+
+def constant(value: float) -> Schedule:
+    """A schedule that always returns ``value``."""
+    value = float(value)
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        return torch.full((), value, dtype=torch.float32, device=count.device)
+
+    return schedule
+
+
+# ---------------------------------------------------------------------------- OneCycle
+
+
+def _one_cycle_pct(total_steps: int, pct_start: float) -> float:
+    """pct_start as a fraction; a value above 1 is a step count, as the seed reads it."""
+    pct_start = float(pct_start)
+    if pct_start < 0:
+        raise ValueError(f"one_cycle: pct_start must be >= 0, got {pct_start}")
+    if pct_start > 1:
+        if pct_start > total_steps:
+            raise ValueError(
+                f"one_cycle: pct_start={pct_start:g} read as a number of warm-up steps "
+                f"exceeds total_steps={total_steps}"
+            )
+        pct_start = pct_start / total_steps
+    return pct_start
+
+
+def _one_cycle_phases(total_steps: int, pct: float, three_phase: bool, values):
+    """[(start_step, end_step, start_value, end_value)] as torch's OneCycleLR lays them out."""
+    if three_phase:
+        ends = [float(pct * total_steps) - 1, float(2 * pct * total_steps) - 2, total_steps - 1]
+    else:
+        ends = [float(pct * total_steps) - 1, total_steps - 1]
+    phases, start = [], 0.0
+    for end, (a, b) in zip(ends, values):
+        phases.append((start, float(end), a, b))
+        start = float(end)
+    return phases
+
+
+def _anneal(strategy: str):
+    if strategy == "cos":
+        # torch: end + (start - end) / 2 * (cos(pi * pct) + 1), in this order.
+        return lambda a, b, pct: b + (a - b) / 2.0 * (torch.cos(math.pi * pct) + 1)
+    if strategy == "linear":
+        return lambda a, b, pct: (b - a) * pct + a
+    raise ValueError(f"anneal_strategy must be 'cos' or 'linear', got {strategy!r}")
+
+
+def _piecewise(total_steps: int, phases, anneal) -> Schedule:
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        # Hold the last step's value past the end: torch's value at total_steps is an
+        # overshoot of the final phase (negative for 'linear' with a short horizon).
+        s = _steps(count, total_steps - 1)
+        # The first phase whose end_step is >= s, else the last one (torch's rule); each
+        # phase is evaluated and the right one selected, so there is no host branch. A
+        # zero-length phase divides by zero here, but only in a branch never selected.
+        out = None
+        for start, end, a, b in reversed(phases):
+            value = anneal(a, b, (s - start) / (end - start))
+            out = value if out is None else torch.where(s <= end, value, out)
+        return _f32(out)
+
+    return schedule
+
+
+def one_cycle(
+    total_steps: int,
+    max_lr: float,
+    pct_start: float = 0.3,
+    anneal_strategy: str = "cos",
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+    three_phase: bool = False,
+) -> Schedule:
+    """The learning rate of torch's ``OneCycleLR`` for one parameter group.
+
+    total_steps: the number of optimizer updates of the whole run.
+    max_lr: the peak; the cycle starts at ``max_lr / div_factor`` and ends at
+        ``max_lr / div_factor / final_div_factor``.
+    pct_start: fraction of the run spent warming up; a value > 1 is a number of steps
+        (the seed's convention).
+    anneal_strategy: 'cos' or 'linear'.
+    three_phase: warm up, anneal back to the initial lr symmetrically, then to the minimum.
+    Give each param group its own ``one_cycle`` for torch's per-group ``max_lr`` list.
+    """
+    total_steps = _check_total_steps(total_steps, "one_cycle")
+    pct = _one_cycle_pct(total_steps, pct_start)
+    initial = float(max_lr) / div_factor
+    minimum = initial / final_div_factor
+    if three_phase:
+        values = [(initial, float(max_lr)), (float(max_lr), initial), (initial, minimum)]
+    else:
+        values = [(initial, float(max_lr)), (float(max_lr), minimum)]
+    phases = _one_cycle_phases(total_steps, pct, three_phase, values)
+    return _piecewise(total_steps, phases, _anneal(anneal_strategy))
+
+
+def one_cycle_momentum(
+    total_steps: int,
+    base_momentum: float = 0.85,
+    max_momentum: float = 0.95,
+    pct_start: float = 0.3,
+    anneal_strategy: str = "cos",
+    three_phase: bool = False,
+) -> Schedule:
+    """The momentum (SGD) or beta1 (Adam/AdamW) that torch's ``OneCycleLR`` cycles.
+
+    It runs inversely to the lr: from ``max_momentum`` down to ``base_momentum`` while the
+    lr warms up, then back. Pass it as ``momentum=`` to sgd or ``b1=`` to adam / adamw;
+    use the same total_steps, pct_start, anneal_strategy and three_phase as the lr.
+    """
+    total_steps = _check_total_steps(total_steps, "one_cycle_momentum")
+    pct = _one_cycle_pct(total_steps, pct_start)
+    lo, hi = float(base_momentum), float(max_momentum)
+    if three_phase:
+        values = [(hi, lo), (lo, hi), (hi, hi)]
+    else:
+        values = [(hi, lo), (lo, hi)]
+    phases = _one_cycle_phases(total_steps, pct, three_phase, values)
+    return _piecewise(total_steps, phases, _anneal(anneal_strategy))
+
+
+# ------------------------------------------------------------------- the seed's others
+
+
+def cosine(total_steps: int, base_lr: float, eta_min: float = 0.0) -> Schedule:
+    """torch's ``CosineAnnealingLR`` with ``T_max = total_steps`` (closed form).
+
+    base_lr: the value at step 0; eta_min: the value at total_steps and after.
+    """
+    total_steps = _check_total_steps(total_steps, "cosine")
+    base_lr, eta_min = float(base_lr), float(eta_min)
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        s = _steps(count, total_steps)
+        return _f32(eta_min + (base_lr - eta_min) * (1 + torch.cos(s * math.pi / total_steps)) / 2)
+
+    return schedule
+
+
+def _milestone_steps(milestones: Sequence[float], total_steps: int, where: str) -> list:
+    steps = []
+    for r in milestones:
+        if not 0 <= float(r) <= 1:
+            raise ValueError(
+                f"{where}: milestones are fractions of total_steps in [0, 1], got {r!r}"
+            )
+        steps.append(int(float(r) * total_steps))
+    return sorted(steps)
+
+
+def _step_decay(s: torch.Tensor, steps: list, gamma: float, start: float) -> torch.Tensor:
+    """``start * gamma ** k`` for k milestones reached; multiplied on the host, as torch does."""
+    out = torch.full_like(s, start)
+    value = start
+    for m in steps:
+        value *= gamma
+        out = torch.where(s >= m, torch.full_like(s, value), out)
+    return out
+
+
+def multistep(
+    base_lr: float, total_steps: int, milestones: Sequence[float] = (0.6, 0.9), gamma: float = 0.1
+) -> Schedule:
+    """torch's ``MultiStepLR`` at the seed's milestones ``int(r * total_steps)``.
+
+    milestones: fractions of the run; the lr is multiplied by ``gamma`` at each.
+    """
+    total_steps = _check_total_steps(total_steps, "multistep")
+    steps = _milestone_steps(milestones, total_steps, "multistep")
+    base_lr, gamma = float(base_lr), float(gamma)
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        s = _steps(count, total_steps)
+        return _f32(_step_decay(s, steps, gamma, base_lr))
+
+    return schedule
+
+
+def multistep_with_warmup(
+    base_lr: float,
+    total_steps: int,
+    milestones: Sequence[float] = (0.6, 0.9),
+    gamma: float = 0.1,
+    warmup_rate: float = 0.05,
+    warmup_scale: float = 1e-6,
+) -> Schedule:
+    """The seed's MultiStepWithWarmup: multistep decay times a linear warm-up.
+
+    The factor is ``gamma ** k`` (k milestones ``int(r * total_steps)`` reached), times
+    ``1 - (1 - s / (warmup_rate * T)) * (1 - warmup_scale)`` while
+    ``s <= warmup_rate * T``: it rises from ``warmup_scale`` to 1 over the warm-up.
+    warmup_rate=0 means no warm-up (the seed divides by zero there).
+    """
+    total_steps = _check_total_steps(total_steps, "multistep_with_warmup")
+    steps = _milestone_steps(milestones, total_steps, "multistep_with_warmup")
+    base_lr, gamma = float(base_lr), float(gamma)
+    warmup_end = float(warmup_rate) * total_steps
+    warmup_scale = float(warmup_scale)
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        s = _steps(count, total_steps)
+        decay = _step_decay(s, steps, gamma, 1.0)
+        if warmup_end > 0:
+            ramp = 1 - (1 - s / warmup_end) * (1 - warmup_scale)
+            decay = decay * torch.where(s <= warmup_end, ramp, torch.ones_like(ramp))
+        return _f32(base_lr * decay)
+
+    return schedule
+
+
+def poly(base_lr: float, total_steps: int, power: float = 0.9) -> Schedule:
+    """The seed's PolyLR: ``base_lr * (1 - s / (total_steps + 1)) ** power``."""
+    total_steps = _check_total_steps(total_steps, "poly")
+    base_lr, power = float(base_lr), float(power)
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        s = _steps(count, total_steps)
+        return _f32(base_lr * (1 - s / (total_steps + 1)) ** power)
+
+    return schedule
+
+
+def exp(base_lr: float, total_steps: int, gamma: float) -> Schedule:
+    """The seed's ExpLR: ``base_lr * gamma ** (s / total_steps)``."""
+    total_steps = _check_total_steps(total_steps, "exp")
+    base_lr, gamma = float(base_lr), float(gamma)
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        s = _steps(count, total_steps)
+        return _f32(base_lr * gamma ** (s / total_steps))
+
+    return schedule
+
+
+def linear_warmup(
+    schedule: Union[Schedule, float], warmup_steps: int, start_factor: float
+) -> Schedule:
+    """``schedule`` scaled by a factor rising linearly from start_factor to 1.
+
+    The factor is ``start_factor + (1 - start_factor) * min(s, warmup_steps) / warmup_steps``,
+    torch's ``LinearLR(start_factor, end_factor=1, total_iters=warmup_steps)``.
+    schedule: a schedule or a constant.
+    """
+    if isinstance(warmup_steps, bool) or int(warmup_steps) != warmup_steps or warmup_steps < 0:
+        raise ValueError(f"linear_warmup: warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    warmup_steps = int(warmup_steps)
+    inner = schedule if callable(schedule) else constant(schedule)
+    if warmup_steps == 0:
+        return inner
+    start_factor = float(start_factor)
+
+    def warmed(count: torch.Tensor) -> torch.Tensor:
+        s = _steps(count, warmup_steps)
+        factor = start_factor + (1.0 - start_factor) * s / warmup_steps
+        return _f32(inner(count).to(torch.float64) * factor)
+
+    return warmed
