@@ -1,0 +1,200 @@
+"""Periodic, best and final checkpoints, and resuming a run from the latest one.
+
+Checkpoints go through :mod:`pimm_fn.checkpoint` (atomic files, a ``latest`` pointer),
+named ``step_<n>.ckpt`` in ``directory``. Besides the TrainState each holds, in ``extra``:
+``{"checkpoint": {metric, mode, best, best_step}, "loader": loader.state_dict() or None,
+"callbacks": {key: cb.state_dict()}}``; :func:`resume` puts all of it back.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from .. import checkpoint as ckpt
+from .. import events as ev
+from .base import Callback, callback_name, due
+
+
+def _callback_keys(callbacks) -> dict:
+    """Stable keys for callbacks that keep state: the class name, ``#i`` for repeats."""
+    keys, seen = {}, {}
+    for cb in callbacks:
+        if not callable(getattr(cb, "state_dict", None)):
+            continue
+        name = callback_name(cb)
+        seen[name] = seen.get(name, 0) + 1
+        keys[id(cb)] = name if seen[name] == 1 else f"{name}#{seen[name]}"
+    return keys
+
+
+class Checkpoint(Callback):
+    """Save the state every n steps and/or epochs, on a new best metric, at the end.
+
+    directory: the checkpoint folder (a :class:`pimm_fn.checkpoint.CheckpointDir`).
+    every_steps / every_epochs: save after steps n, 2n, ... / after every n-th epoch.
+    keep_last: keep this many ``step_<n>.ckpt`` files (the latest and the best are never
+        deleted).
+    best_metric: a metric name of ``eval_name``'s EvalEnd (e.g. ``"mIoU"``); a better value
+        (``mode`` ``"max"`` or ``"min"``) saves a checkpoint marked best (``best.ckpt``).
+    save_final: save when the run ends (completed or stopped) unless this step is saved.
+    save_on_interrupt: save the last completed state on KeyboardInterrupt.
+
+    Saves happen once the step's events reached every callback (this callback runs last and
+    saves on SaveRequested), so loggers have flushed that step and the best metric of an
+    evaluation at this step is in the checkpoint.
+    """
+
+    order = 1000
+    saves_checkpoints = True  # tells fit that SaveNow requests have a taker
+
+    def __init__(self, directory, *, every_steps: Optional[int] = None, every_epochs: Optional[int] = 1,
+                 keep_last: Optional[int] = 3, best_metric: Optional[str] = None, mode: str = "max",
+                 eval_name: str = "val", save_final: bool = True, save_on_interrupt: bool = True):
+        if mode not in ("max", "min"):
+            raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
+        for label, n in (("every_steps", every_steps), ("every_epochs", every_epochs), ("keep_last", keep_last)):
+            if n is not None and (not isinstance(n, int) or n < (0 if label == "keep_last" else 1)):
+                raise ValueError(f"{label} must be a positive int or None, got {n!r}")
+        self.dir = ckpt.CheckpointDir(directory, keep_last=keep_last)
+        self.every_steps, self.every_epochs = every_steps, every_epochs
+        self.keep_last = keep_last
+        self.best_metric, self.mode, self.eval_name = best_metric, mode, eval_name
+        self.save_final, self.save_on_interrupt = save_final, save_on_interrupt
+        self.best: Optional[float] = None
+        self.best_step: Optional[int] = None
+        self.last_saved_step: Optional[int] = None
+        self.last_path: Optional[Path] = None
+        self._loader = None
+        self._callbacks: Sequence = ()
+
+    # ----- state kept in checkpoints
+    def state_dict(self) -> dict:
+        return {"metric": self.best_metric, "mode": self.mode, "best": self.best, "best_step": self.best_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state and state.get("metric") == self.best_metric:
+            self.best, self.best_step = state.get("best"), state.get("best_step")
+
+    def _extra(self) -> dict:
+        loader_sd = getattr(self._loader, "state_dict", None)
+        keys = _callback_keys(self._callbacks)
+        return {
+            "checkpoint": self.state_dict(),
+            "loader": loader_sd() if callable(loader_sd) else None,
+            "callbacks": {keys[id(cb)]: cb.state_dict() for cb in self._callbacks
+                          if id(cb) in keys and cb is not self and cb.state_dict() is not None},
+        }
+
+    def save(self, state, step: int, *, best: bool = False) -> Path:
+        """Write a checkpoint of ``state`` now (a ``checkpoint.save`` span in profiler traces)."""
+        with torch.profiler.record_function("checkpoint.save"):
+            path = self.dir.save(state, step=step, extra=self._extra(), keep_last=self.keep_last, best=best)
+        self.last_saved_step, self.last_path = step, path
+        return path
+
+    # ----- events
+    def on_train_start(self, event, state):
+        self._loader, self._callbacks = event.loader, event.callbacks
+
+    def on_step_end(self, event, state):
+        if due(event.step, self.every_steps):
+            return ev.SaveNow("every_steps")
+
+    def on_epoch_end(self, event, state):
+        if due(event.epoch + 1, self.every_epochs):
+            return ev.SaveNow("every_epochs")
+
+    def _better(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.best is None:
+            return True
+        return value > self.best if self.mode == "max" else value < self.best
+
+    def on_eval_end(self, event, state):
+        if self.best_metric is None or event.name != self.eval_name:
+            return None
+        if self.best_metric not in event.metrics:
+            raise KeyError(
+                f"Checkpoint(best_metric={self.best_metric!r}): the {event.name!r} evaluation reported "
+                f"{sorted(event.metrics)}; pick one of these"
+            )
+        value = float(event.metrics[self.best_metric])
+        if self._better(value):
+            self.best, self.best_step = value, event.step
+            return ev.SaveNow("best", best=True)
+        return None
+
+    def on_save_requested(self, event, state):
+        if event.step == self.last_saved_step and not event.best:
+            return None
+        path = self.save(state, event.step, best=event.best)
+        return ev.CheckpointSaved(step=event.step, path=str(path), best=event.best)
+
+    def _final(self, event, state):
+        if self.last_saved_step == event.step:
+            return None
+        path = self.save(state, event.step)
+        return ev.CheckpointSaved(step=event.step, path=str(path))
+
+    def on_train_end(self, event, state):
+        if self.save_final:
+            return self._final(event, state)
+
+    def on_interrupted(self, event, state):
+        if self.save_on_interrupt:
+            return self._final(event, state)
+
+
+def restore_latest(directory, like):
+    """``(state, extra)`` from the newest complete checkpoint in ``directory``, or None if none.
+
+    Errors (corrupt file, another model's checkpoint, a pickle) are those of
+    :func:`pimm_fn.checkpoint.restore`.
+    """
+    path = ckpt.CheckpointDir(directory).latest()
+    if path is None:
+        return None
+    return ckpt.restore(path, like)
+
+
+def resume(path, like, *, loader=None, callbacks: Sequence = (), must_exist: bool = False):
+    """The state to (re)start a run from: the latest checkpoint in ``path``, else ``like``.
+
+    path: a checkpoint folder (its latest complete checkpoint is used; none yet -> ``like``,
+        a fresh run) or one checkpoint file.
+    like: the fresh state (same model and optimizer) that gives the structure.
+    loader / callbacks: their saved state (``extra["loader"]``, ``extra["callbacks"]``,
+        the Checkpoint's best metric) is loaded back into them.
+    must_exist: raise instead of starting fresh when ``path`` holds no checkpoint.
+    """
+    p = Path(path)
+    if p.is_file():
+        state, extra = ckpt.restore(p, like)
+    elif p.is_dir() or not must_exist:
+        found = restore_latest(p, like)
+        if found is None:
+            if must_exist:
+                raise ckpt.CheckpointNotFoundError(
+                    f"no complete checkpoint in {p} to resume from; train from scratch (must_exist=False) "
+                    "or point at the folder a Checkpoint callback wrote"
+                )
+            return like
+        state, extra = found
+    else:
+        # Let the checkpoint module name the missing file (and suggest neighbours).
+        state, extra = ckpt.restore(p, like)
+    extra = extra if isinstance(extra, dict) else {}
+    if loader is not None and extra.get("loader") is not None and callable(getattr(loader, "load_state_dict", None)):
+        loader.load_state_dict(extra["loader"])
+    saved = extra.get("callbacks") or {}
+    keys = _callback_keys(callbacks)
+    for cb in callbacks:
+        if isinstance(cb, Checkpoint) and extra.get("checkpoint"):
+            cb.load_state_dict(extra["checkpoint"])
+        elif id(cb) in keys and keys[id(cb)] in saved:
+            cb.load_state_dict(saved[keys[id(cb)]])
+    return state

@@ -1,0 +1,99 @@
+"""Callbacks that end a run: on a non-finite loss, or when a metric stops improving."""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional
+
+import torch
+
+from .. import events as ev
+from .base import Callback
+
+
+class StopOnNonFinite(Callback):
+    """Stop (or raise) when ``key`` (default the loss) is NaN or infinite.
+
+    check_every: look every n steps, one host sync per check over the n buffered values;
+        the message names the first bad step either way (1 = stop right after it).
+    raise_error: raise FloatingPointError instead of returning Stop.
+    """
+
+    def __init__(self, key: str = "loss", check_every: int = 1, raise_error: bool = False):
+        self.key, self.check_every, self.raise_error = key, max(1, int(check_every)), raise_error
+        self._rows: list = []
+        self.message: Optional[str] = None
+
+    def on_step_end(self, event, state):
+        value = event.metrics.get(self.key)
+        if value is None:
+            return None
+        self._rows.append((event, value))
+        if len(self._rows) >= self.check_every or event.is_last:
+            return self._check()
+        return None
+
+    def _check(self):
+        rows, self._rows = self._rows, []
+        finite = torch.stack([torch.isfinite(v.detach().float()).reshape(()) for _, v in rows]).tolist()
+        for (e, v), ok in zip(rows, finite):
+            if not ok:
+                self.message = (
+                    f"{self.key} is {float(v)} at step {e.step} (epoch {e.epoch}, iteration {e.iteration}, "
+                    f"batch of {e.batch_size} samples); stopping. Common causes: a learning rate too high, "
+                    "fp16 overflow (use bf16 or loss scaling), a bad sample in this batch."
+                )
+                if self.raise_error:
+                    raise FloatingPointError(self.message)
+                warnings.warn(self.message, RuntimeWarning, stacklevel=2)
+                return ev.Stop(self.message)
+        return None
+
+    def on_epoch_end(self, event, state):
+        if self._rows:
+            return self._check()
+
+
+class EarlyStopping(Callback):
+    """Stop when ``metric`` of the ``source`` evaluation has not improved for ``patience`` evaluations.
+
+    mode: ``"max"`` or ``"min"``; min_delta: the least change that counts as improvement.
+    source: the EvalEnd name (``"val"``), or ``"train"`` to watch the epoch averages.
+    """
+
+    def __init__(self, metric: str, *, mode: str = "min", patience: int = 3, min_delta: float = 0.0,
+                 source: str = "val"):
+        if mode not in ("max", "min"):
+            raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
+        self.metric, self.mode, self.patience, self.min_delta, self.source = metric, mode, patience, min_delta, source
+        self.best: Optional[float] = None
+        self.bad = 0
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "bad": self.bad}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.bad = state.get("best"), int(state.get("bad", 0))
+
+    def _see(self, value: float, step: int):
+        better = self.best is None or (
+            value > self.best + self.min_delta if self.mode == "max" else value < self.best - self.min_delta
+        )
+        if better and math.isfinite(value):
+            self.best, self.bad = value, 0
+            return None
+        self.bad += 1
+        if self.bad >= self.patience:
+            return ev.Stop(f"early stopping: {self.source}/{self.metric} did not improve on {self.best} for "
+                           f"{self.bad} evaluations (step {step})")
+        return None
+
+    def on_eval_end(self, event, state):
+        if self.source != "train" and event.name == self.source:
+            if self.metric not in event.metrics:
+                raise KeyError(f"EarlyStopping: {event.name!r} reported {sorted(event.metrics)}, not {self.metric!r}")
+            return self._see(float(event.metrics[self.metric]), event.step)
+
+    def on_epoch_end(self, event, state):
+        if self.source == "train" and self.metric in event.metrics:
+            return self._see(float(event.metrics[self.metric]), event.step)

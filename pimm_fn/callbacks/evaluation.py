@@ -1,0 +1,84 @@
+"""Evaluate: run an eval function over a validation loader and emit EvalEnd."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .. import events as ev
+from .base import Callback, due
+
+
+def _batches(loader):
+    if callable(getattr(loader, "iter_epoch", None)):
+        return loader.iter_epoch(0, 0)
+    return iter(loader)
+
+
+class Evaluate(Callback):
+    """Every n steps and/or epochs, evaluate the current state and emit :class:`EvalEnd`.
+
+    eval_fn: ``eval_fn(state, batch) -> dict``, called under ``torch.no_grad()``; it runs the
+        model functionally (``torch.func.functional_call(state.model, (state.params,
+        state.buffers), ...)`` in eval mode) and returns tensors: what ``metric`` reads
+        (e.g. ``pred`` and ``target``) and any 0-dim values (e.g. ``loss``), which are
+        averaged over the batches.
+    loader: the validation loader (an iterable, or an object with ``iter_epoch``).
+    metric: e.g. :class:`pimm_fn.metrics.SegmentationMetric` or :class:`~pimm_fn.metrics.Accuracy`
+        (summed over batches, then over ranks); None for scalar outputs only.
+    every_steps / every_epochs: when to evaluate; at_end: also when the run ends (not on
+        interrupt or failure). name: the EvalEnd name (tags ``<name>/<metric>``).
+    """
+
+    def __init__(self, eval_fn: Callable, loader, *, metric=None, every_steps: Optional[int] = None,
+                 every_epochs: Optional[int] = 1, name: str = "val", at_end: bool = False):
+        self.eval_fn, self.loader, self.metric = eval_fn, loader, metric
+        self.every_steps, self.every_epochs, self.name, self.at_end = every_steps, every_epochs, name, at_end
+        self.last: Optional[dict] = None
+        self._last_step: Optional[int] = None
+
+    def evaluate(self, state) -> tuple[dict, int]:
+        """The metrics of ``state`` over the whole loader (floats) and the number of samples."""
+        stats = self.metric.init() if self.metric is not None else None
+        sums: dict = {}
+        n_batches = n_samples = 0
+        with torch.no_grad():
+            for batch in _batches(self.loader):
+                out = self.eval_fn(state, batch)
+                if not isinstance(out, dict):
+                    raise TypeError(f"eval_fn must return a dict of tensors, got {type(out).__name__}")
+                if stats is not None:
+                    stats = self.metric.update(stats, out)
+                for k, v in out.items():
+                    if isinstance(v, torch.Tensor) and v.numel() == 1 and k not in ("pred", "target"):
+                        sums[k] = sums.get(k, 0) + v.detach().float().reshape(())
+                n_batches += 1
+                if isinstance(batch, dict) and "offset" in batch:
+                    n_samples += len(batch["offset"])
+        if n_batches == 0:
+            raise ValueError(f"Evaluate({self.name!r}): the validation loader yielded no batches; is it empty?")
+        metrics = {k: float(v) / n_batches for k, v in sums.items()}
+        if stats is not None:
+            metrics.update(self.metric.compute(self.metric.reduce(stats)))
+        return metrics, n_samples
+
+    def _run(self, event, state):
+        if self._last_step == event.step:
+            return None
+        self._last_step = event.step
+        metrics, n = self.evaluate(state)
+        self.last = metrics
+        return ev.EvalEnd(step=event.step, epoch=event.epoch,
+                          name=self.name, metrics=metrics, samples=n)
+
+    def on_step_end(self, event, state):
+        if due(event.step, self.every_steps):
+            return self._run(event, state)
+
+    def on_epoch_end(self, event, state):
+        if due(event.epoch + 1, self.every_epochs):
+            return self._run(event, state)
+
+    def on_train_end(self, event, state):
+        if self.at_end:
+            return self._run(event, state)

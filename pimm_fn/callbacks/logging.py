@@ -1,0 +1,329 @@
+"""Metric writers: TensorBoard (tensorboardX), W&B (optional) and the text log ``train.log``.
+
+Tags follow the seed: ``train_batch/<k>`` per step, ``params/lr`` for the learning rate,
+``train/<k>`` epoch averages, ``val/<k>`` (or ``<name>/<k>``) evaluation metrics.
+
+Step metrics are buffered as tensors and pulled in one host sync every ``sync_every``
+logged steps (and whenever a checkpoint is about to be written), so logging every step
+does not sync every step.
+"""
+from __future__ import annotations
+
+import datetime
+import glob
+import os
+import socket
+import time
+from typing import Optional
+
+import torch
+
+from .base import Callback, due
+
+
+def scalar_tag(key: str) -> str:
+    """The seed's tag for a step metric: learning rates under ``params/``, the rest ``train_batch/``."""
+    if key == "lr" or key == "lr/default":
+        return "params/lr"
+    if key.startswith("lr/"):
+        return "params/lr/" + key[3:]
+    return "train_batch/" + key
+
+
+def _is_lr(key: str) -> bool:
+    return key == "lr" or key.startswith("lr/")
+
+
+def _numbers(rows):
+    """[(step, {k: tensor})] -> [(step, {k: float})] with a single host sync."""
+    flat, index = [], []
+    for i, (_, metrics) in enumerate(rows):
+        for k, v in metrics.items():
+            if isinstance(v, torch.Tensor):
+                if v.numel() != 1:
+                    continue  # the seed drops large tensors from the writer
+                flat.append(v.detach().reshape(()).float())
+                index.append((i, k))
+            elif isinstance(v, (int, float)):
+                flat.append(torch.tensor(float(v)))
+                index.append((i, k))
+    values = torch.stack([t.cpu() if t.device.type != "cpu" else t for t in flat]).tolist() if flat else []
+    out = [(step, {}) for step, _ in rows]
+    for (i, k), x in zip(index, values):
+        out[i][1][k] = x
+    return out
+
+
+class _Buffered(Callback):
+    """Shared logic: buffer step metrics, write them in batches, write epoch/eval metrics."""
+
+    def __init__(self, every_steps: int = 1, sync_every: int = 50):
+        if every_steps is not None and every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1 or None, got {every_steps}")
+        self.every_steps = every_steps
+        self.sync_every = max(1, int(sync_every))
+        self._rows: list = []
+
+    # subclasses implement
+    def _write(self, step: int, scalars: dict) -> None: ...
+    def _flush(self) -> None: ...
+    def _close(self) -> None: ...
+    def _open(self, event) -> None: ...
+
+    def drain(self) -> None:
+        """Write every buffered step now (one host sync)."""
+        if self._rows:
+            rows, self._rows = self._rows, []
+            for step, nums in _numbers(rows):
+                self._write(step, {scalar_tag(k): v for k, v in nums.items()})
+
+    def on_train_start(self, event, state):
+        self._open(event)
+
+    def on_step_end(self, event, state):
+        if due(event.step, self.every_steps):
+            self._rows.append((event.step, event.metrics))
+            if len(self._rows) >= self.sync_every:
+                self.drain()
+
+    def on_epoch_end(self, event, state):
+        self.drain()
+        metrics = {k: v for k, v in event.metrics.items() if not _is_lr(k)}
+        for step, nums in _numbers([(event.step, metrics)]):
+            self._write(step, {f"train/{k}": v for k, v in nums.items()})
+
+    def on_eval_end(self, event, state):
+        self.drain()
+        self._write(event.step, {f"{event.name}/{k}": float(v) for k, v in event.metrics.items()
+                                 if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)})
+
+    def on_save_requested(self, event, state):
+        # Everything up to this step reaches the disk before the checkpoint does (Checkpoint
+        # runs last): after a crash, the resumed run rewrites only steps after the checkpoint.
+        self.drain()
+        self._flush()
+
+    def on_end(self, event, state):
+        self.drain()
+        self._close()
+
+
+class TensorBoard(_Buffered):
+    """Scalars to TensorBoard event files in ``log_dir``, written through tensorboardX.
+
+    Steps are continuous across resume: a resumed run (state.step = s > 0) starts a new event
+    file with a purge marker at step s + 1, so TensorBoard drops what a killed run wrote after
+    its last checkpoint and each step appears once. Events are written synchronously (in
+    batches of ``sync_every`` steps) and flushed before every checkpoint.
+
+    every_steps: log every n-th step (1: each step, as the seed). ``writer_kwargs`` are not
+    needed; use :meth:`add_scalar` for your own scalars.
+    """
+
+    def __init__(self, log_dir, every_steps: int = 1, sync_every: int = 50):
+        super().__init__(every_steps, sync_every)
+        self.log_dir = str(log_dir)
+        self._writer = None
+
+    def _open(self, event=None):
+        if self._writer is not None:
+            return
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        os.makedirs(self.log_dir, exist_ok=True)
+        # TensorBoard reads a directory's files in name order; names carry the second, then
+        # this suffix: nanoseconds keep restarts within one second in order.
+        self._wait_past_existing()
+        suffix = f".{time.time_ns():020d}.{os.getpid()}"
+        self._writer = EventsWriter(os.path.join(self.log_dir, "events"), suffix)
+        step = getattr(event, "step", 0) or 0
+        if step > 0:
+            self._writer.write_event(Event(step=step + 1, wall_time=time.time(),
+                                           session_log=SessionLog(status=SessionLog.START)))
+
+    def _wait_past_existing(self):
+        latest = 0
+        for path in glob.glob(os.path.join(self.log_dir, "events.out.tfevents.*")):
+            try:
+                latest = max(latest, int(os.path.basename(path).split(".")[3]))
+            except (IndexError, ValueError):
+                continue
+        while int(time.time()) < latest:  # a clock behind an existing file: keep order
+            time.sleep(0.05)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        """Write one scalar now."""
+        self._write(step, {tag: float(value)})
+
+    def _write(self, step, scalars):
+        if not scalars:
+            return
+        self._open()
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+
+        now = time.time()
+        for tag, value in scalars.items():
+            self._writer.write_event(Event(step=int(step), wall_time=now, summary=scalar(tag, value)))
+
+    def _flush(self):
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _close(self):
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def on_already_complete(self, event, state):
+        pass  # nothing to write: do not open a file
+
+
+class WandB(_Buffered):
+    """Scalars to Weights & Biases (``pip install wandb``; imported only when the run starts).
+
+    mode: ``"offline"`` writes locally (``wandb sync`` uploads later); id + resume="allow"
+    continue a run across restarts (wandb drops steps it has already seen). notes: e.g. the
+    launch command, as the seed does.
+    """
+
+    def __init__(self, project: Optional[str] = None, *, name=None, group=None, job_type=None, id=None,
+                 resume="allow", notes=None, mode: Optional[str] = None, dir=None, config=None,
+                 every_steps: int = 1, sync_every: int = 50):
+        super().__init__(every_steps, sync_every)
+        self.init_kwargs = dict(project=project, name=name, group=group, job_type=job_type, id=id,
+                                resume=resume, notes=notes, mode=mode, dir=dir, config=config)
+        self.run = None
+
+    def _open(self, event=None):
+        if self.run is not None:
+            return
+        try:
+            import wandb
+        except ImportError as err:
+            raise ImportError("the WandB callback needs wandb: pip install 'pimm_fn[wandb]'") from err
+        self.run = wandb.init(**{k: v for k, v in self.init_kwargs.items() if v is not None})
+
+    def _write(self, step, scalars):
+        if scalars:
+            self._open()
+            self.run.log(dict(scalars), step=int(step))
+
+    def _close(self):
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+    def on_already_complete(self, event, state):
+        pass
+
+
+def _fmt_eta(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(max(0.0, seconds))))
+
+
+class TextLog(Callback):
+    """A text log in ``save_path/train.log`` (appended when the run is resumed).
+
+    Every ``every_steps`` steps a line with the epoch/iteration, data time, step time and
+    iteration time (current and mean), the remaining time and the metrics; epoch averages,
+    evaluations, checkpoints and the run's end are logged too. Each line is flushed.
+    """
+
+    def __init__(self, save_path, every_steps: int = 1, filename: str = "train.log", echo: bool = False):
+        self.path = os.path.join(str(save_path), filename)
+        self.every_steps = every_steps
+        self.echo = echo
+        self._f = None
+        self._reset()
+
+    def _reset(self):
+        self._n = 0
+        self._sums = [0.0, 0.0, 0.0]
+        self._last = None
+        self._epochs = None
+
+    def _open(self, append: bool):
+        if self._f is None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            self._f = open(self.path, "a" if append else "w", encoding="utf-8")
+
+    def log(self, message: str) -> None:
+        if self._f is None:
+            self._open(True)
+        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        self._f.write(f"[{stamp}] {message}\n")
+        self._f.flush()
+        if self.echo:
+            try:
+                from tqdm.auto import tqdm
+
+                tqdm.write(message)
+            except ImportError:
+                print(message)
+
+    def on_train_start(self, event, state):
+        self._open(append=event.resumed)
+        self._reset()
+        self._epochs = event.epochs
+        self._ipe = event.iters_per_epoch
+        self._left_at_start = (event.epochs - event.epoch) * event.iters_per_epoch - event.iteration
+        where = f"resuming at epoch {event.epoch} iteration {event.iteration} (step {event.step})" \
+            if event.resumed else "from scratch"
+        self.log(f">>> Start training {where}: {event.epochs} epochs x {event.iters_per_epoch} steps, "
+                 f"host {socket.gethostname()}")
+
+    def on_step_end(self, event, state):
+        now = time.perf_counter()
+        iter_time = (now - self._last) if self._last is not None else event.data_time + event.step_time
+        self._last = now
+        self._n += 1
+        for i, x in enumerate((event.data_time, event.step_time, iter_time)):
+            self._sums[i] += x
+        if not due(event.step, self.every_steps):
+            return
+        means = [s / self._n for s in self._sums]
+        epochs = f"/{event.epochs}" if event.epochs is not None else ""
+        left = getattr(self, "_left_at_start", None)
+        eta = f" Remain {_fmt_eta(means[2] * (left - self._n))}" if left is not None else ""
+        nums = _numbers([(event.step, event.metrics)])[0][1]
+        text = " ".join(f"{k}: {v:.4f}" if not _is_lr(k) else f"{k}: {v:.6g}" for k, v in nums.items())
+        self.log(
+            f"Train: [{event.epoch + 1}{epochs}][{event.iteration + 1}/{event.iters_per_epoch}] step {event.step} "
+            f"Data {event.data_time:.3f} ({means[0]:.3f}) Step {event.step_time:.3f} ({means[1]:.3f}) "
+            f"Iter {iter_time:.3f} ({means[2]:.3f}){eta} {text}"
+        )
+
+    def on_epoch_end(self, event, state):
+        nums = _numbers([(event.step, dict(event.metrics))])[0][1]
+        text = " ".join(f"{k}: {v:.4f}" for k, v in nums.items() if not _is_lr(k))
+        tail = " (loader exhausted)" if event.exhausted else ""
+        self.log(f"Train result epoch {event.epoch + 1}: {text}{tail}")
+
+    def on_eval_end(self, event, state):
+        text = " ".join(f"{k}: {v:.4f}" for k, v in event.metrics.items() if isinstance(v, (int, float)))
+        self.log(f"Eval {event.name} at step {event.step}: {text}")
+
+    def on_checkpoint_saved(self, event, state):
+        self.log(f"Saved checkpoint {event.path}{' (best)' if event.best else ''}")
+
+    def on_train_end(self, event, state):
+        why = f" ({event.stop_reason})" if event.stop_reason else ""
+        self.log(f"<<< Training {event.reason}{why} at step {event.step}, epoch {event.epoch}")
+
+    def on_interrupted(self, event, state):
+        self.log(f"<<< Interrupted (KeyboardInterrupt) after step {event.step}")
+
+    def on_failed(self, event, state):
+        self.log(f"<<< Failed at step {event.step}: {type(event.error).__name__}: {event.error}")
+
+    def on_already_complete(self, event, state):
+        self._open(append=True)
+        self.log(f"Training already complete: epoch {event.epoch} >= epochs {event.epochs}; "
+                 "nothing to run")
+
+    def on_end(self, event, state):
+        if self._f is not None:
+            self._f.close()
+            self._f = None

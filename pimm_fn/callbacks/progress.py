@@ -1,0 +1,77 @@
+"""A progress bar through ``tqdm.auto``: widgets in a notebook, two stacked bars in a terminal."""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from .base import Callback
+
+
+class ProgressBar(Callback):
+    """An epoch bar (position 0) over a step bar (position 1) with steps/s, ETA and metrics.
+
+    The step bar is reset each epoch (not re-created), so a terminal keeps exactly two lines
+    and a notebook two widgets. The metrics shown (``metrics``, default the loss) are pulled
+    at most every ``refresh_seconds``: one host sync per refresh, not per step. Print from
+    other code with ``tqdm.write`` to keep the bars intact.
+    """
+
+    def __init__(self, metrics: Sequence[str] = ("loss",), refresh_seconds: float = 0.5, leave: bool = True,
+                 file=None, disable: bool = False):
+        self.metrics = tuple(metrics)
+        self.refresh_seconds = refresh_seconds
+        self.leave = leave
+        self.file = file
+        self.disable = disable
+        self.epoch_bar = None
+        self.step_bar = None
+        self._shown = 0.0
+
+    def _tqdm(self):
+        from tqdm.auto import tqdm
+
+        return tqdm
+
+    def on_train_start(self, event, state):
+        tqdm = self._tqdm()
+        self.epoch_bar = tqdm(total=event.epochs, initial=event.epoch, desc="epochs", unit="epoch", position=0,
+                              leave=self.leave, file=self.file, disable=self.disable, dynamic_ncols=True)
+
+    def on_epoch_start(self, event, state):
+        tqdm = self._tqdm()
+        desc = f"epoch {event.epoch + 1}" + (f"/{event.epochs}" if event.epochs else "")
+        if self.step_bar is None:
+            self.step_bar = tqdm(total=event.iters_per_epoch, initial=event.iteration, desc=desc, unit="step",
+                                 position=1 if self.epoch_bar is not None else 0, leave=False, file=self.file,
+                                 disable=self.disable, dynamic_ncols=True)
+        else:
+            self.step_bar.reset(total=event.iters_per_epoch)
+            self.step_bar.set_description(desc, refresh=False)
+            if event.iteration:
+                self.step_bar.update(event.iteration)
+
+    def on_step_end(self, event, state):
+        bar = self.step_bar
+        if bar is None:
+            return
+        now = time.monotonic()
+        if self.metrics and now - self._shown >= self.refresh_seconds:
+            self._shown = now
+            shown = {k: f"{float(event.metrics[k]):.4g}" for k in self.metrics if k in event.metrics}
+            if shown:
+                bar.set_postfix(shown, refresh=False)
+        bar.update(1)
+
+    def on_epoch_end(self, event, state):
+        if self.epoch_bar is not None:
+            self.epoch_bar.update(1)
+            if event.metrics and self.metrics:
+                shown = {k: f"{float(event.metrics[k]):.4g}" for k in self.metrics if k in event.metrics}
+                if shown:
+                    self.epoch_bar.set_postfix(shown)
+
+    def on_end(self, event, state):
+        for bar in (self.step_bar, self.epoch_bar):
+            if bar is not None:
+                bar.close()
+        self.step_bar = self.epoch_bar = None

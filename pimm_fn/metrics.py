@@ -1,0 +1,130 @@
+"""Evaluation metrics as summable statistics: per-batch counts that add up over batches and ranks.
+
+Semantic segmentation follows the seed's evaluator: per class intersection / union / target
+counts over the points whose label is not ``ignore_index`` (-1); ``iou = I / (U + 1e-10)``,
+``mIoU`` its mean, ``acc = I / (T + 1e-10)``, ``mAcc`` its mean, ``allAcc = sum I / (sum T +
+1e-10)``. Classification: correct / total.
+
+A metric object has ``init() -> stats``, ``update(stats, output) -> stats`` (output: what
+the eval function returned for a batch), ``reduce(stats)`` (sum over ranks when
+torch.distributed is initialised) and ``compute(stats) -> {name: float}``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+EPS = 1e-10
+
+
+def intersection_and_union(pred: torch.Tensor, target: torch.Tensor, num_classes: int, ignore_index: int = -1):
+    """Per-class (intersection, union, target) point counts, int64 tensors of length ``num_classes``.
+
+    pred: predicted labels (or logits with the class dim last); target: labels, same shape
+    as pred's labels; points with ``target == ignore_index`` are left out.
+    """
+    if pred.dim() == target.dim() + 1:
+        pred = pred.argmax(-1)
+    if pred.shape != target.shape:
+        raise ValueError(f"pred shape {tuple(pred.shape)} does not match target shape {tuple(target.shape)}")
+    pred = pred.reshape(-1).long()
+    target = target.reshape(-1).long()
+    keep = target != ignore_index
+    pred, target = pred[keep], target[keep]
+    inter = pred[pred == target]
+    area_i = torch.bincount(inter, minlength=num_classes)[:num_classes]
+    area_p = torch.bincount(pred[(pred >= 0) & (pred < num_classes)], minlength=num_classes)[:num_classes]
+    area_t = torch.bincount(target, minlength=num_classes)[:num_classes]
+    return area_i, area_p + area_t - area_i, area_t
+
+
+def segmentation_scores(intersection, union, target, names: Optional[Sequence[str]] = None) -> dict:
+    """mIoU, mAcc, allAcc (and per-class iou/acc) from summed counts, as the seed computes them."""
+    i, u, t = (torch.as_tensor(x, dtype=torch.float64) for x in (intersection, union, target))
+    iou = i / (u + EPS)
+    acc = i / (t + EPS)
+    out = {
+        "mIoU": float(iou.mean()),
+        "mAcc": float(acc.mean()),
+        "allAcc": float(i.sum() / (t.sum() + EPS)),
+    }
+    names = list(names) if names is not None else [str(c) for c in range(len(iou))]
+    for name, a, b in zip(names, iou.tolist(), acc.tolist()):
+        out[f"iou/{name}"] = a
+        out[f"acc/{name}"] = b
+    return out
+
+
+def accuracy_counts(pred: torch.Tensor, target: torch.Tensor, ignore_index: int = -1):
+    """(correct, total) as int64 0-dim tensors; ``pred`` may be labels or logits (class dim last)."""
+    if pred.dim() == target.dim() + 1:
+        pred = pred.argmax(-1)
+    keep = target != ignore_index
+    correct = (pred[keep] == target[keep]).sum()
+    return correct.long(), keep.sum().long()
+
+
+def _all_reduce_sum(stats: dict) -> dict:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return stats
+    out = {}
+    for k, v in stats.items():
+        v = v.clone()
+        dist.all_reduce(v, op=dist.ReduceOp.SUM)
+        out[k] = v
+    return out
+
+
+class SegmentationMetric:
+    """mIoU / mAcc / allAcc over an evaluation; summable across batches and ranks.
+
+    The eval function returns ``{"pred": labels or logits, "target": labels, ...}``
+    (keys configurable).
+    """
+
+    def __init__(self, num_classes: int, ignore_index: int = -1, names: Optional[Sequence[str]] = None,
+                 pred_key: str = "pred", target_key: str = "target"):
+        self.num_classes, self.ignore_index, self.names = int(num_classes), ignore_index, names
+        self.pred_key, self.target_key = pred_key, target_key
+
+    def init(self) -> dict:
+        z = torch.zeros(self.num_classes, dtype=torch.int64)
+        return {"intersection": z, "union": z.clone(), "target": z.clone()}
+
+    def update(self, stats: dict, output: dict) -> dict:
+        i, u, t = intersection_and_union(output[self.pred_key], output[self.target_key], self.num_classes,
+                                         self.ignore_index)
+        dev = stats["intersection"].device
+        return {"intersection": stats["intersection"] + i.to(dev), "union": stats["union"] + u.to(dev),
+                "target": stats["target"] + t.to(dev)}
+
+    def reduce(self, stats: dict) -> dict:
+        return _all_reduce_sum(stats)
+
+    def compute(self, stats: dict) -> dict:
+        return segmentation_scores(stats["intersection"], stats["union"], stats["target"], self.names)
+
+
+class Accuracy:
+    """Classification accuracy (``acc``) over an evaluation; summable across batches and ranks."""
+
+    def __init__(self, ignore_index: int = -1, pred_key: str = "pred", target_key: str = "target"):
+        self.ignore_index, self.pred_key, self.target_key = ignore_index, pred_key, target_key
+
+    def init(self) -> dict:
+        return {"correct": torch.zeros((), dtype=torch.int64), "total": torch.zeros((), dtype=torch.int64)}
+
+    def update(self, stats: dict, output: dict) -> dict:
+        c, n = accuracy_counts(output[self.pred_key], output[self.target_key], self.ignore_index)
+        dev = stats["correct"].device
+        return {"correct": stats["correct"] + c.to(dev), "total": stats["total"] + n.to(dev)}
+
+    def reduce(self, stats: dict) -> dict:
+        return _all_reduce_sum(stats)
+
+    def compute(self, stats: dict) -> dict:
+        total = int(stats["total"])
+        return {"acc": int(stats["correct"]) / total if total else float("nan")}

@@ -1,0 +1,337 @@
+"""fit / fit_epoch: the fold, the cursor, the event table, requests, guards and run switches."""
+import sys
+import os
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _fit_helpers import PermLoader, Recorder, dataset, leaves_equal, make_state, step_fn  # noqa: E402
+
+from pimm_fn import events as ev  # noqa: E402
+from pimm_fn.callbacks import Callback, on  # noqa: E402
+from pimm_fn.fit import StateMutationError, count_samples, fit, fit_epoch, resolve_iters_per_epoch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def data():
+    return dataset(48)
+
+
+@pytest.fixture(scope="module")
+def four_epochs(data):
+    """A straight 4-epoch run (24 steps) shared by the comparisons below."""
+    rec = Recorder()
+    res = fit(make_state(), PermLoader(*data), step_fn, epochs=4, callbacks=[rec])
+    return res, rec
+
+
+def test_normal_run_cursor_events_history(data, four_epochs):
+    res, rec = four_epochs
+    assert res.status == "completed"
+    st = res.state
+    assert int(st.step) == 24 and st.cursor.epoch == 4 and st.cursor.position == 0
+    assert st.cursor.samples_seen == 4 * 48
+    kinds = rec.kinds()
+    assert kinds[0] == "TrainStart" and kinds[-1] == "TrainEnd"
+    assert kinds.count("EpochStart") == kinds.count("EpochEnd") == 4 and kinds.count("StepEnd") == 24
+    # per epoch: EpochStart, 6 StepEnd, EpochEnd
+    assert kinds[1:9] == ["EpochStart"] + ["StepEnd"] * 6 + ["EpochEnd"]
+    steps = [e for e in rec.events if isinstance(e, ev.StepEnd)]
+    assert [e.step for e in steps] == list(range(1, 25))
+    assert [e.iteration for e in steps[:6]] == list(range(6)) and steps[6].epoch == 1
+    assert steps[-1].is_last and not steps[-2].is_last and steps[5].last_in_epoch
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in steps[0].metrics.values())
+    assert steps[0].samples_seen == 8 and steps[0].batch_size == 8
+    with pytest.raises(TypeError):
+        steps[0].metrics["loss"] = 1.0  # the mapping is read-only
+    # history: per-step values and per-epoch averages, as tensors until read
+    h = res.history
+    assert len(h) == 24 and h.epochs == [0, 1, 2, 3] and h.steps == list(range(1, 25))
+    losses = h.values("loss")
+    assert losses.shape == (24,)
+    assert torch.equal(losses, torch.stack([e.metrics["loss"] for e in steps]))
+    ends = [e for e in rec.events if isinstance(e, ev.EpochEnd)]
+    assert torch.allclose(ends[1].metrics["loss"], losses[6:12].mean())
+    assert h.epoch_averages()[1]["loss"] == pytest.approx(float(losses[6:12].mean()))
+    state_a, hist = res  # unpacks
+    assert state_a is st and hist is h
+
+
+def test_already_complete_returns_at_once(data, four_epochs):
+    done = four_epochs[0].state
+    rec = Recorder()
+    loader = PermLoader(*data)
+    res = fit(done, loader, step_fn, epochs=4, callbacks=[rec])
+    assert res.status == "already_complete" and res.state is done
+    assert rec.kinds() == ["AlreadyComplete"] and loader.calls == []
+    assert rec.events[0].epoch == 4 and rec.events[0].epochs == 4 and rec.events[0].step == 24
+    assert fit(done, loader, step_fn, epochs=2).status == "already_complete"
+
+
+def test_extending_a_finished_run_trains_exactly_the_new_epochs(data, four_epochs):
+    two = fit(make_state(), PermLoader(*data), step_fn, epochs=2).state
+    assert two.cursor.epoch == 2 and int(two.step) == 12
+    loader = PermLoader(*data)
+    rec = Recorder()
+    res = fit(two, loader, step_fn, epochs=4, callbacks=[rec])
+    assert loader.calls == [(2, 0), (3, 0)]
+    assert rec.kinds().count("StepEnd") == 12
+    assert rec.events[0].resumed and rec.events[0].epoch == 2
+    assert leaves_equal(res.state, four_epochs[0].state)
+    assert int(res.state.step) == 24
+
+
+def test_mid_epoch_resume_from_the_cursor_is_exact(data, four_epochs):
+    # stop after step 9 (epoch 1, position 3), then continue from that state alone
+    res = fit(make_state(), PermLoader(*data), step_fn, epochs=4,
+              callbacks=[on(ev.StepEnd, once=9)(lambda e, s: ev.Stop("pause"))])
+    assert res.status == "stopped" and res.stop_reason == "pause"
+    mid = res.state
+    assert (mid.cursor.epoch, mid.cursor.position, int(mid.step)) == (1, 3, 9)
+    loader = PermLoader(*data)
+    rec = Recorder()
+    out = fit(mid, loader, step_fn, epochs=4, callbacks=[rec])
+    assert loader.calls[0] == (1, 3)
+    assert rec.events[1].iteration == 3  # EpochStart at position 3
+    assert [e.step for e in rec.events if isinstance(e, ev.StepEnd)][0] == 10
+    assert leaves_equal(out.state, four_epochs[0].state)
+
+
+def test_fit_epoch_is_the_inner_fold(data, four_epochs):
+    state = make_state()
+    rec = Recorder()
+    for _ in range(4):
+        r = fit_epoch(state, PermLoader(*data), step_fn, callbacks=[rec])
+        assert r.status == "completed"
+        state = r.state
+    assert state.cursor.epoch == 4 and leaves_equal(state, four_epochs[0].state)
+    assert "TrainStart" not in rec.kinds() and rec.kinds().count("EpochEnd") == 4
+
+
+def test_exhausted_loader_ends_the_epoch_early(data):
+    rec = Recorder()
+    res = fit(make_state(), PermLoader(*data, limit=4), step_fn, epochs=2, callbacks=[rec])
+    ends = [e for e in rec.events if isinstance(e, ev.EpochEnd)]
+    assert [(e.steps, e.exhausted) for e in ends] == [(4, True), (4, True)]
+    assert int(res.state.step) == 8 and res.state.cursor.epoch == 2
+
+
+def test_plain_iterables_and_iters_per_epoch(data):
+    x, y = data
+    batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 48, 8)]
+    res = fit(make_state(), batches, step_fn, epochs=1)
+    assert int(res.state.step) == 6 and res.state.cursor.samples_seen == 48
+    # cut at iters_per_epoch
+    res = fit(make_state(), batches, step_fn, epochs=2, iters_per_epoch=4)
+    assert int(res.state.step) == 8
+    # resume on a plain list skips the consumed batches: equal to the straight run
+    half = fit(make_state(), batches, step_fn, epochs=1, callbacks=[on(ev.StepEnd, once=2)(lambda e, s: ev.Stop())])
+    assert half.state.cursor.position == 2
+    full = fit(make_state(), batches, step_fn, epochs=1).state
+    assert leaves_equal(fit(half.state, batches, step_fn, epochs=1).state, full)
+    # a torch DataLoader works too (and hears set_epoch through its sampler when it has one)
+    dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    assert int(fit(make_state(), dl, step_fn, epochs=1).state.step) == 3
+
+
+def test_bad_loaders_raise_clear_errors(data):
+    x, y = data
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            for i in range(0, 48, 8):
+                yield (x[i:i + 8], y[i:i + 8])
+
+    stream = torch.utils.data.DataLoader(Stream(), batch_size=None)
+    with pytest.raises(ValueError, match="iters_per_epoch"):
+        fit(make_state(), stream, step_fn, epochs=1)
+    assert int(fit(make_state(), stream, step_fn, epochs=1, iters_per_epoch=3).state.step) == 3
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="positive int"):
+            resolve_iters_per_epoch(stream, bad)
+    with pytest.raises(ValueError, match="no batches per epoch"):
+        fit(make_state(), [], step_fn, epochs=1)
+    with pytest.raises(TypeError, match="one-shot iterator"):
+        fit(make_state(), iter([(x, y)]), step_fn, epochs=1)
+
+    class Counted:  # num_samples() rule for a length-less stream
+        dataset = type("D", (), {"num_samples": staticmethod(lambda: 50)})()
+        batch_size = 8
+        world_size = 2
+
+        def __iter__(self):
+            return iter(())
+
+    assert resolve_iters_per_epoch(Counted()) == 3  # 50 // 2 // 8
+    Counted.batch_size = 40
+    with pytest.raises(ValueError, match="<= 0"):
+        resolve_iters_per_epoch(Counted())
+
+
+def test_count_samples():
+    assert count_samples({"coord": torch.zeros(100, 3), "offset": torch.tensor([40, 100])}) == 2
+    assert count_samples((torch.zeros(5, 2), torch.zeros(5))) == 5
+    assert count_samples({"x": torch.zeros(7, 1)}) == 7
+
+
+def _table(data, requester, epochs=2):
+    rec = Recorder()
+    res = fit(make_state(), PermLoader(*data), step_fn, epochs=epochs, callbacks=[requester, rec])
+    return res, rec.kinds(), rec
+
+
+def test_stop_request_ends_after_the_current_step_and_fires_the_table(data):
+    # mid-epoch stop: the step finishes, its StepEnd reaches every callback, no EpochEnd, TrainEnd(stopped)
+    res, kinds, rec = _table(data, on(ev.StepEnd, once=3)(lambda e, s: ev.Stop("enough")))
+    assert res.status == "stopped" and int(res.state.step) == 3 and res.state.cursor.position == 3
+    assert kinds == ["TrainStart", "EpochStart", "StepEnd", "StepEnd", "StepEnd", "TrainEnd"]
+    assert rec.events[-1].reason == "stopped" and rec.events[-1].stop_reason == "enough"
+    # stop on an epoch's last step: the epoch is complete, so EpochEnd fires
+    res, kinds, _ = _table(data, on(ev.StepEnd, once=6)(lambda e, s: ev.Stop()))
+    assert kinds[-3:] == ["StepEnd", "EpochEnd", "TrainEnd"] and res.state.cursor.epoch == 1
+    # stop from EpochEnd / TrainStart / EpochStart
+    _, kinds, _ = _table(data, on(ev.EpochEnd, once=0)(lambda e, s: ev.Stop()))
+    assert kinds.count("EpochStart") == 1 and kinds[-1] == "TrainEnd"
+    res, kinds, _ = _table(data, on(ev.TrainStart)(lambda e, s: ev.Stop()))
+    assert kinds == ["TrainStart", "TrainEnd"] and int(res.state.step) == 0
+    res, kinds, _ = _table(data, on(ev.EpochStart)(lambda e, s: ev.Stop()))
+    assert kinds == ["TrainStart", "EpochStart", "TrainEnd"]
+
+
+def test_keyboard_interrupt_returns_last_completed_state(data):
+    calls = {"n": 0}
+
+    def flaky(state, batch):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return step_fn(state, batch)
+
+    rec = Recorder()
+    res = fit(make_state(), PermLoader(*data), flaky, epochs=2, callbacks=[rec])
+    assert res.status == "interrupted" and int(res.state.step) == 4 and res.state.cursor.position == 4
+    assert rec.kinds()[-1] == "Interrupted" and "TrainEnd" not in rec.kinds()
+    assert rec.events[-1].step == 4
+    # an interrupt inside a callback: the step it observes is complete and kept
+    res = fit(make_state(), PermLoader(*data), step_fn, epochs=2,
+              callbacks=[on(ev.StepEnd, once=2)(lambda e, s: (_ for _ in ()).throw(KeyboardInterrupt()))])
+    assert res.status == "interrupted" and int(res.state.step) == 2
+
+
+def test_exceptions_fire_failed_then_propagate(data):
+    rec = Recorder()
+
+    def boom(e, s):
+        raise ZeroDivisionError("bad callback")
+
+    with pytest.raises(ZeroDivisionError):
+        fit(make_state(), PermLoader(*data), step_fn, epochs=1, callbacks=[on(ev.StepEnd, once=2)(boom), rec])
+    assert rec.kinds()[-1] == "Failed" and isinstance(rec.events[-1].error, ZeroDivisionError)
+    assert "TrainEnd" not in rec.kinds()
+
+
+def test_a_callback_cannot_change_the_state(data):
+    def assign(e, s):
+        s.step = torch.tensor(99)
+
+    with pytest.raises(StateMutationError, match=r"assign.*immutable.*Stop\(\)"):
+        fit(make_state(), PermLoader(*data), step_fn, epochs=1, callbacks=[on(ev.StepEnd, once=1)(assign)])
+
+    def cursor(e, s):
+        s.cursor.position = 0
+
+    with pytest.raises(StateMutationError, match="frozen"):
+        fit(make_state(), PermLoader(*data), step_fn, epochs=1, callbacks=[on(ev.StepEnd, once=1)(cursor)])
+
+    def swap(e, s):
+        s.params["fc1.weight"] = torch.zeros_like(s.params["fc1.weight"])
+
+    with pytest.raises(StateMutationError, match=r"changed the TrainState.*params"):
+        fit(make_state(), PermLoader(*data), step_fn, epochs=1, callbacks=[on(ev.StepEnd, once=1)(swap)])
+
+    def inplace(e, s):
+        s.params["fc1.weight"].add_(1.0)
+
+    with pytest.raises(StateMutationError, match="in place"):
+        fit(make_state(), PermLoader(*data), step_fn, epochs=1, guard_state="full",
+            callbacks=[on(ev.StepEnd, once=1)(inplace)])
+
+
+def test_filters(data):
+    seen = {"every": [], "once": [], "last": [], "epochs": [], "when": []}
+    cbs = [
+        on(ev.StepEnd, every=4)(lambda e, s: seen["every"].append(e.step)),
+        on(ev.StepEnd, once=7)(lambda e, s: seen["once"].append(e.step)),
+        on(ev.StepEnd, last=True)(lambda e, s: seen["last"].append(e.step)),
+        on(ev.EpochEnd, every=2)(lambda e, s: seen["epochs"].append(e.epoch)),
+        on(ev.StepEnd, when=lambda e: e.iteration == 0)(lambda e, s: seen["when"].append(e.step)),
+    ]
+    fit(make_state(), PermLoader(*data), step_fn, epochs=4, iters_per_epoch=3, callbacks=cbs)
+    assert seen == {"every": [4, 8, 12], "once": [7], "last": [12], "epochs": [1, 3], "when": [1, 4, 7, 10]}
+    with pytest.raises(ValueError):
+        on(ev.TrainEnd, every=2)
+    with pytest.raises(ValueError):
+        on(ev.StepEnd, every=0)
+
+
+def test_callback_class_dispatch_order_and_bad_returns(data):
+    order = []
+
+    class A(Callback):
+        order = 5
+
+        def on_step_end(self, e, s):
+            order.append("A")
+
+    class B(Callback):
+        def on_step_end(self, e, s):
+            order.append("B")
+
+    fit(make_state(), PermLoader(*data), step_fn, epochs=1, iters_per_epoch=1, callbacks=[A(), B()])
+    assert order == ["B", "A"]  # sorted by `order`, stable
+    with pytest.raises(TypeError, match="returned 42"):
+        fit(make_state(), PermLoader(*data), step_fn, epochs=1, callbacks=[lambda e, s: 42])
+
+
+class _Tripwire(torch.Tensor):
+    """A tensor that fails the test if anyone pulls a Python number out of it."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("item", "__float__", "__int__", "__bool__", "tolist", "__index__", "numpy", "__format__"):
+            raise AssertionError(f"fit pulled a number from a metric ({name})")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_fit_never_syncs_metrics(data):
+    def wired(state, batch):
+        new, m = step_fn(state, batch)
+        return new, {k: v.as_subclass(_Tripwire) for k, v in m.items()}
+
+    rec = Recorder()
+    res = fit(make_state(), PermLoader(*data), wired, epochs=2, callbacks=[rec])
+    assert res.status == "completed" and len(res.history) == 12
+
+
+def test_run_switches_and_profiler_spans(data, tmp_path):
+    from pimm_fn.callbacks import Checkpoint, Trace
+
+    before = torch.get_float32_matmul_precision()
+    seen = []
+    fit(make_state(), PermLoader(*data), step_fn, epochs=1, iters_per_epoch=2, matmul_precision="medium",
+        detect_anomaly=True, empty_cache="step",
+        callbacks=[lambda e, s: seen.append((torch.get_float32_matmul_precision(), torch.is_anomaly_enabled()))])
+    assert set(seen) == {("medium", True)}
+    assert torch.get_float32_matmul_precision() == before and not torch.is_anomaly_enabled()
+    with pytest.raises(ValueError):
+        fit(make_state(), PermLoader(*data), step_fn, epochs=1, empty_cache="always")
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fit(make_state(), PermLoader(*data), step_fn, epochs=1, iters_per_epoch=2,
+            callbacks=[Trace(), Checkpoint(tmp_path / "ck", every_steps=1)])
+    names = {e.name for e in prof.events()}
+    for want in ("data_fetch", "step", "callback.Trace.StepEnd", "callback.Checkpoint.SaveRequested",
+                 "checkpoint.save", "instant.training_start", "instant.training_end"):
+        assert any(n.startswith(want) for n in names), want
