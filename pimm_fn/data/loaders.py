@@ -1,0 +1,356 @@
+"""Loaders that ``fit`` consumes, built on torchdata's ``StatefulDataLoader``.
+
+The protocol (what ``fit`` relies on):
+
+    loader.iter_epoch(epoch, start) -> Iterator[batch]   batches of ``epoch`` from index
+                                                          ``start`` on, exactly the rest
+    len(loader)                                           iters per epoch (per rank)
+    loader.batch_size, loader.world_size                  per-rank batch, ranks
+    loader.samples_in(batch) -> int                       per-rank samples in a batch
+    loader.state_dict() / loader.load_state_dict(sd)      worker state (iterable data)
+
+Map-style data: the order is :func:`~pimm_fn.data.sampler.epoch_order` and random
+transforms get a generator seeded from (seed, epoch, dataset index), so (seed, epoch,
+position) of the :class:`~pimm_fn.state.Cursor` reproduce every remaining batch bitwise,
+with any number of workers. ``state_dict`` is then informational only.
+
+Iterable (streaming) data: the data set shards itself over ranks and workers; the epoch
+is cut at ``iters_per_epoch`` (or ``num_samples() // world_size // batch_size``).
+Mid-epoch resume restores the StatefulDataLoader state saved by ``state_dict`` when it
+matches (epoch, start); otherwise it calls ``dataset.set_epoch(epoch)`` (if present) and
+skips ``start`` batches, which is exact for a stream that is a pure function of its epoch.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from .collate import PointCollate, collate
+from .sampler import ResumableSampler, samples_per_rank
+
+Transform = Callable[[Any, torch.Generator], Any]
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A 63-bit seed for the random transforms of sample ``index`` in ``epoch`` (splitmix64)."""
+    z = (int(seed) * 0x9E3779B97F4A7C15 + int(epoch) * 0xD1B54A32D192ED03 + int(index) + 1)
+    z &= 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def seed_worker(worker_id: int, *, num_workers: int, rank: int, seed: int) -> None:
+    """Seed torch / numpy / random in a worker with num_workers*rank + worker_id + seed.
+
+    Only transforms that draw from the global RNGs depend on this; they are reproducible
+    for a fixed worker count but, unlike generator-driven transforms, not across counts.
+    """
+    s = int(num_workers) * int(rank) + int(worker_id) + int(seed)
+    torch.manual_seed(s)
+    np.random.seed(s % 2**32)
+    random.seed(s)
+
+
+def samples_in(batch: Any) -> int:
+    """Per-rank number of samples in a batch: len(offset) for point batches, else the
+    leading dim of the first tensor found (``image`` first for image batches)."""
+    if isinstance(batch, Mapping):
+        if "offset" in batch:
+            return int(batch["offset"].shape[0])
+        if "image" in batch:
+            return int(batch["image"].shape[0])
+        for v in batch.values():
+            n = _first_leading_dim(v)
+            if n is not None:
+                return n
+    n = _first_leading_dim(batch)
+    if n is None:
+        raise TypeError(f"cannot count the samples of a {type(batch).__name__} batch")
+    return n
+
+
+def _first_leading_dim(x) -> Optional[int]:
+    if isinstance(x, torch.Tensor):
+        return int(x.shape[0]) if x.dim() else 1
+    if isinstance(x, Mapping):
+        return samples_in(x)
+    if isinstance(x, Sequence) and not isinstance(x, str):
+        for v in x:
+            n = _first_leading_dim(v)
+            if n is not None:
+                return n
+    return None
+
+
+def dataset_name(dataset, name: Optional[str] = None) -> str:
+    return name or getattr(dataset, "name", None) or type(dataset).__name__
+
+
+def check_nonempty(dataset, name: Optional[str] = None) -> None:
+    """Raise a ValueError naming ``dataset`` when it holds no samples."""
+    n = len(dataset)
+    if n == 0:
+        raise ValueError(
+            f"data set {dataset_name(dataset, name)!r} is empty (0 samples): check its path, "
+            "split and filters; an empty train set would give 0 steps per epoch"
+        )
+
+
+class _Keyed(torch.utils.data.Dataset):
+    """Maps (index, epoch) keys to transformed samples with a per-sample generator."""
+
+    def __init__(self, dataset, transform: Optional[Transform], seed: int):
+        self.dataset, self.transform, self.seed = dataset, transform, int(seed)
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        index, epoch = key
+        s = sample_seed(self.seed, epoch, index)
+        sample = self.dataset[index]
+        if self.transform is not None:
+            sample = self.transform(sample, torch.Generator().manual_seed(s))
+        if isinstance(sample, Mapping):
+            # Mix3D's draw for a batch is seeded by its first sample: deterministic too
+            sample = dict(sample)
+            sample["_mix_seed"] = s
+        return sample
+
+
+class EpochLoader:
+    """A train/eval loader over a map-style or iterable data set (see module docstring).
+
+    Build it with :func:`build_train_loader` / :func:`build_eval_loader`.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        *,
+        batch_size: int,
+        collate_fn: Callable = collate,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        transform: Optional[Transform] = None,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        iters_per_epoch: Optional[int] = None,
+        name: Optional[str] = None,
+        **loader_kwargs,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.dataset = dataset
+        self.name = dataset_name(dataset, name)
+        self.batch_size, self.world_size, self.rank = int(batch_size), int(world_size), int(rank)
+        self.seed, self.num_workers = int(seed), int(num_workers)
+        self.iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+        self._pending: Optional[dict] = None
+        self._epoch, self._position = 0, 0
+        init_fn = functools.partial(seed_worker, num_workers=num_workers, rank=rank, seed=seed)
+        common = dict(
+            batch_size=self.batch_size, num_workers=num_workers, collate_fn=collate_fn,
+            pin_memory=pin_memory, worker_init_fn=init_fn, **loader_kwargs,
+        )
+        if self.iterable:
+            if transform is not None:
+                raise ValueError("iterable data sets apply their own transforms; pass transform=None")
+            self.drop_last = True  # every rank must run the same number of full steps
+            self._len = self._iterable_len(iters_per_epoch)
+            # workers must see set_epoch, which a persistent worker's dataset copy would miss
+            self._dl = StatefulDataLoader(dataset, drop_last=True, persistent_workers=False, **common)
+        else:
+            check_nonempty(dataset, self.name)
+            self.drop_last = bool(drop_last)
+            self.sampler = ResumableSampler(
+                len(dataset), seed=seed, rank=rank, world_size=world_size, shuffle=shuffle,
+                drop_last=drop_last, with_epoch=True,
+            )
+            per_rank = samples_per_rank(len(dataset), world_size, drop_last)
+            natural = per_rank // self.batch_size if drop_last else math.ceil(per_rank / self.batch_size)
+            if natural <= 0:
+                raise ValueError(
+                    f"data set {self.name!r}: {len(dataset)} samples over {world_size} rank(s) give "
+                    f"{per_rank} per rank, fewer than one batch of {batch_size} with drop_last"
+                )
+            self._len = min(natural, int(iters_per_epoch)) if iters_per_epoch else natural
+            self._dl = StatefulDataLoader(
+                _Keyed(dataset, transform, seed), sampler=self.sampler, drop_last=drop_last,
+                persistent_workers=persistent_workers and num_workers > 0, **common,
+            )
+
+    def _iterable_len(self, iters_per_epoch: Optional[int]) -> int:
+        if iters_per_epoch:
+            val = int(iters_per_epoch)
+        else:
+            num_samples = getattr(self.dataset, "num_samples", None)
+            if not callable(num_samples):
+                raise ValueError(
+                    f"iterable data set {self.name!r} needs iters_per_epoch=... or a "
+                    "num_samples() method to define the epoch length"
+                )
+            per_rank = int(num_samples()) // max(1, self.world_size)
+            val = per_rank // self.batch_size
+            if val <= 0:
+                raise ValueError(
+                    f"iterable data set {self.name!r}: iters_per_epoch={val} <= 0 "
+                    f"(num_samples()={num_samples()}, per rank {per_rank}, batch_size {self.batch_size})"
+                )
+        if val <= 0:
+            raise ValueError(f"iters_per_epoch must be > 0, got {val} for {self.name!r}")
+        return val
+
+    def __len__(self) -> int:
+        return self._len
+
+    def samples_in(self, batch) -> int:
+        return samples_in(batch)
+
+    def iter_epoch(self, epoch: int, start: int = 0) -> Iterator:
+        """Yield the batches of ``epoch`` from batch index ``start`` to ``len(self)``."""
+        if not 0 <= start <= self._len:
+            raise ValueError(f"start {start} outside epoch of {self._len} batches ({self.name!r})")
+        return self._iter(int(epoch), int(start))
+
+    def __iter__(self) -> Iterator:
+        return self.iter_epoch(0, 0)
+
+    def _iter(self, epoch: int, start: int) -> Iterator:
+        skip = 0
+        if self.iterable:
+            pending, self._pending = self._pending, None
+            # the epoch reaches the stream before workers copy it (they are not persistent)
+            if hasattr(self.dataset, "set_epoch"):
+                self.dataset.set_epoch(epoch)
+            if pending is not None and (pending["epoch"], pending["position"]) == (epoch, start):
+                self._dl.load_state_dict(pending["loader"])
+            else:
+                skip = start
+        else:
+            self.sampler.set_epoch(epoch, start * self.batch_size)
+        self._epoch, self._position = epoch, start
+        it = iter(self._dl)
+        for _ in range(skip):
+            if next(it, None) is None:
+                return
+        # range first: zip stops without pulling a batch past the epoch's end
+        for _, batch in zip(range(self._len - start), it):
+            self._position += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        """The position and, for iterable data, the StatefulDataLoader (worker) state."""
+        sd = {"epoch": self._epoch, "position": self._position, "num_workers": self.num_workers,
+              "world_size": self.world_size}
+        if self.iterable:
+            sd["loader"] = self._dl.state_dict()
+        return sd
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore worker state for the next ``iter_epoch(epoch, position)`` call.
+
+        Map-style loaders need nothing (the Cursor positions them). A state saved with a
+        different worker count or world size is dropped: the iterable then falls back to
+        set_epoch + skipping, which is exact for epoch-deterministic streams.
+        """
+        if not self.iterable or "loader" not in state:
+            return
+        if state.get("num_workers") != self.num_workers or state.get("world_size") != self.world_size:
+            import warnings
+
+            warnings.warn(
+                f"{self.name!r}: loader state saved with num_workers={state.get('num_workers')}, "
+                f"world_size={state.get('world_size')}; now {self.num_workers}, {self.world_size}. "
+                "Dropping it; resume skips batches instead.",
+                stacklevel=2,
+            )
+            return
+        self._pending = dict(state)
+
+
+def build_train_loader(
+    dataset,
+    *,
+    batch_size: int,
+    seed: int = 0,
+    collate_fn: Optional[Callable] = None,
+    transform: Optional[Transform] = None,
+    mix_prob: float = 0.0,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    drop_last: Optional[bool] = None,
+    iters_per_epoch: Optional[int] = None,
+    pin_memory: Optional[bool] = None,
+    persistent_workers: Optional[bool] = None,
+    name: Optional[str] = None,
+    **loader_kwargs,
+) -> EpochLoader:
+    """Build the shuffling, resumable training loader.
+
+    batch_size: per rank. collate_fn: defaults to the point collate with ``mix_prob``.
+    transform: ``f(sample, generator) -> sample``, seeded per (seed, epoch, index).
+    drop_last: None -> True when the data set is larger than the global batch
+        (batch_size * world_size), as the seed does; iterable data always drops.
+    iters_per_epoch: required for an iterable data set without num_samples(); for
+        map-style data an optional cap on the epoch.
+    pin_memory: None -> on when CUDA is available. persistent_workers: None -> on with
+        workers (map-style only).
+    """
+    if collate_fn is None:
+        collate_fn = PointCollate(mix_prob)
+    elif mix_prob:
+        raise ValueError("mix_prob applies to the default point collate; pass it to your collate_fn")
+    iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+    if not iterable:
+        check_nonempty(dataset, name)
+    if drop_last is None:
+        drop_last = True if iterable else len(dataset) > batch_size * world_size
+    return EpochLoader(
+        dataset, batch_size=batch_size, collate_fn=collate_fn, seed=seed, rank=rank,
+        world_size=world_size, num_workers=num_workers, shuffle=True, drop_last=drop_last,
+        transform=transform, iters_per_epoch=iters_per_epoch, name=name,
+        pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
+        persistent_workers=(num_workers > 0) if persistent_workers is None else persistent_workers,
+        **loader_kwargs,
+    )
+
+
+def build_eval_loader(
+    dataset,
+    *,
+    batch_size: int,
+    collate_fn: Optional[Callable] = None,
+    transform: Optional[Transform] = None,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    pin_memory: Optional[bool] = None,
+    name: Optional[str] = None,
+) -> EpochLoader:
+    """Build a validation/test loader: no shuffling, no drop_last, own batch size.
+
+    With world_size > 1 each rank takes every world_size-th sample (DistributedSampler
+    with shuffle off); the last ranks repeat up to world_size - 1 samples as padding.
+    Iterate it with ``iter(loader)`` or ``loader.iter_epoch(0, 0)``.
+    """
+    return EpochLoader(
+        dataset, batch_size=batch_size, collate_fn=collate_fn or PointCollate(0.0), seed=0,
+        rank=rank, world_size=world_size, num_workers=num_workers, shuffle=False,
+        drop_last=False, transform=transform, name=name,
+        pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
+        persistent_workers=False,
+    )
