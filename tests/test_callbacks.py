@@ -1,0 +1,258 @@
+"""Built-in callbacks and evaluation metrics."""
+import io
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _fit_helpers import PermLoader, Recorder, dataset, make_state, step_fn  # noqa: E402
+
+from pimm_fn import events as ev  # noqa: E402
+from pimm_fn import metrics as M  # noqa: E402
+from pimm_fn.callbacks import (  # noqa: E402
+    Checkpoint, EarlyStopping, Evaluate, ProgressBar, StopOnNonFinite, TensorBoard, TextLog, Trace, WandB,
+    batch_stats, on, resume,
+)
+from pimm_fn.fit import fit  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def data():
+    return dataset(32)  # 4 steps per epoch
+
+
+def _eval_fn(state, batch):
+    logits = torch.func.functional_call(state.model, (state.params, state.buffers), (batch["x"],))
+    return {"pred": logits.argmax(-1), "target": batch["y"],
+            "loss": torch.nn.functional.cross_entropy(logits, batch["y"])}
+
+
+def test_tensorboard_tags_read_back(data, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    val = [{"x": data[0][:16], "y": data[1][:16]}]
+    fit(make_state(), PermLoader(*data), step_fn, epochs=2,
+        callbacks=[TensorBoard(tmp_path, sync_every=3),
+                   Evaluate(_eval_fn, val, metric=M.Accuracy(), every_epochs=1)])
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train_batch/loss", "train_batch/grad_norm", "params/lr", "train/loss", "val/acc", "val/loss"} <= tags
+    assert [s.step for s in acc.Scalars("train_batch/loss")] == list(range(1, 9))
+    assert [s.step for s in acc.Scalars("train/loss")] == [4, 8]
+    assert [s.step for s in acc.Scalars("val/acc")] == [4, 8]
+    assert acc.Scalars("params/lr")[0].value == pytest.approx(0.05)
+
+
+def test_tensorboard_every_n_steps(data, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    fit(make_state(), PermLoader(*data), step_fn, epochs=2, callbacks=[TensorBoard(tmp_path, every_steps=3)])
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [s.step for s in acc.Scalars("train_batch/loss")] == [3, 6]
+
+
+def test_text_log_lines_and_append_on_resume(data, tmp_path):
+    first = fit(make_state(), PermLoader(*data), step_fn, epochs=1, callbacks=[TextLog(tmp_path)]).state
+    text = (tmp_path / "train.log").read_text()
+    assert "from scratch" in text and text.count("Train: [1/1]") == 4
+    line = [ln for ln in text.splitlines() if "Train: [1/1][2/4]" in ln][0]
+    for part in ("Data ", "Step ", "Iter ", "Remain", "loss: ", "lr/default: "):
+        assert part in line
+    fit(first, PermLoader(*data), step_fn, epochs=2, callbacks=[TextLog(tmp_path)])
+    text2 = (tmp_path / "train.log").read_text()
+    assert text2.startswith(text) and "resuming at epoch 1" in text2 and "Train result epoch 2" in text2
+    fit(make_state(), PermLoader(*data), step_fn, epochs=1, iters_per_epoch=1, callbacks=[TextLog(tmp_path)])
+    assert "resuming" not in (tmp_path / "train.log").read_text()  # a fresh run starts a fresh log
+
+
+def test_progress_bar_renders_two_bars(data):
+    out = io.StringIO()
+    bar = ProgressBar(file=out, refresh_seconds=0.0)
+    fit(make_state(), PermLoader(*data), step_fn, epochs=2, callbacks=[bar])
+    text = out.getvalue()
+    assert "epochs" in text and "epoch 2/2" in text and "loss=" in text and "step/s" in text
+    assert bar.epoch_bar is None and bar.step_bar is None  # closed at the end
+    # a resumed run starts the bars where the cursor is
+    mid = fit(make_state(), PermLoader(*data), step_fn, epochs=2,
+              callbacks=[on(ev.StepEnd, once=2)(lambda e, s: ev.Stop())]).state
+    out = io.StringIO()
+    fit(mid, PermLoader(*data), step_fn, epochs=2, callbacks=[ProgressBar(file=out)])
+    assert "2/4" in out.getvalue()
+
+
+def test_checkpoint_every_keep_best_final_and_resume(data, tmp_path):
+    val = [{"x": data[0], "y": data[1]}]
+    scores = iter([0.5, 0.7, 0.6, 0.9, 0.1, 0.2])
+
+    def scored(state, batch):
+        return {"score": torch.tensor(next(scores))}
+
+    rec = Recorder()
+    cb = Checkpoint(tmp_path, every_steps=3, every_epochs=None, keep_last=2, best_metric="score", mode="max")
+    res = fit(make_state(), PermLoader(*data), step_fn, epochs=3,
+              callbacks=[rec, cb, Evaluate(scored, val, every_steps=2, every_epochs=None)])
+    saved = [e for e in rec.events if isinstance(e, ev.CheckpointSaved)]
+    # every 3 steps, the best (evals at steps 2,4,8 improved), and the final at step 12
+    assert [(e.step, e.best) for e in saved] == [(2, True), (3, False), (4, True), (6, False), (8, True),
+                                                 (9, False), (12, False)]
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert "best.ckpt" in files and "latest" in files
+    assert sorted(f for f in files if f.startswith("step_")) == ["step_12.ckpt", "step_8.ckpt", "step_9.ckpt"]
+    assert cb.best == pytest.approx(0.9) and cb.best_step == 8
+    # resume puts the state, the best metric and the other callbacks' state back
+    stopper = EarlyStopping("score", mode="max", patience=5)
+    stopper.best, stopper.bad = 0.9, 2
+    from pimm_fn import checkpoint as ckpt
+
+    ckpt.CheckpointDir(tmp_path).save(res.state, step=12, extra={
+        "checkpoint": cb.state_dict(), "loader": None, "callbacks": {"EarlyStopping": stopper.state_dict()}})
+    cb2, stop2 = Checkpoint(tmp_path, best_metric="score"), EarlyStopping("score", mode="max", patience=5)
+    state = resume(tmp_path, make_state(), callbacks=[cb2, stop2])
+    assert int(state.step) == 12 and cb2.best == pytest.approx(0.9) and cb2.best_step == 8
+    assert (stop2.best, stop2.bad) == (0.9, 2)
+
+
+def test_checkpoint_saves_loader_and_callback_state(data, tmp_path):
+    class StatefulLoader(PermLoader):
+        def state_dict(self):
+            return {"epoch_seen": len(self.calls)}
+
+    stopper = EarlyStopping("loss", source="train", patience=99)
+    fit(make_state(), StatefulLoader(*data), step_fn, epochs=1,
+        callbacks=[stopper, Checkpoint(tmp_path, every_epochs=1)])
+    from pimm_fn.callbacks import restore_latest
+
+    _, extra = restore_latest(tmp_path, make_state())
+    assert extra["loader"] == {"epoch_seen": 1}
+    assert extra["callbacks"]["EarlyStopping"]["best"] == pytest.approx(stopper.best)
+
+
+def test_checkpoint_on_interrupt(data, tmp_path):
+    def interrupt(e, s):
+        raise KeyboardInterrupt
+
+    res = fit(make_state(), PermLoader(*data), step_fn, epochs=1,
+              callbacks=[on(ev.StepEnd, once=3)(interrupt), Checkpoint(tmp_path, every_epochs=None)])
+    assert res.status == "interrupted"
+    assert int(resume(tmp_path, make_state()).step) == 3
+
+
+def test_evaluate_segmentation_metrics(data):
+    # a fixed "prediction" to check the formulas against a hand count
+    pred = torch.tensor([0, 0, 1, 1, 2, 2, 1, 0])
+    target = torch.tensor([0, 1, 1, 1, 2, -1, 0, 0])
+    val = [{"pred": pred[:4], "target": target[:4]}, {"pred": pred[4:], "target": target[4:]}]
+    rec = Recorder()
+    ev_cb = Evaluate(lambda s, b: dict(b), val, metric=M.SegmentationMetric(3), every_epochs=1)
+    fit(make_state(), PermLoader(*data), step_fn, epochs=1, iters_per_epoch=1, callbacks=[ev_cb, rec])
+    (end,) = [e for e in rec.events if isinstance(e, ev.EvalEnd)]
+    # ignoring the -1 point: class 0: I=2 (idx 0,7) P=3 T=3 -> U=4; class 1: I=2 P=3 T=3 -> U=4; class 2: I=1 P=1 T=1
+    iou = [2 / 4, 2 / 4, 1.0]
+    acc = [2 / 3, 2 / 3, 1.0]
+    assert end.metrics["mIoU"] == pytest.approx(sum(iou) / 3)
+    assert end.metrics["mAcc"] == pytest.approx(sum(acc) / 3)
+    assert end.metrics["allAcc"] == pytest.approx(5 / 7)
+    assert end.metrics["iou/2"] == pytest.approx(1.0)
+    i, u, t = M.intersection_and_union(pred, target, 3)
+    assert i.tolist() == [2, 2, 1] and u.tolist() == [4, 4, 1] and t.tolist() == [3, 3, 1]
+    # summable: two halves add up to the whole
+    a = M.intersection_and_union(pred[:4], target[:4], 3)
+    b = M.intersection_and_union(pred[4:], target[4:], 3)
+    assert [(x + y).tolist() for x, y in zip(a, b)] == [i.tolist(), u.tolist(), t.tolist()]
+    # an absent class scores 0 IoU, as the seed's 1e-10 epsilon gives
+    assert M.segmentation_scores([0, 1], [0, 1], [0, 1])["mIoU"] == pytest.approx(0.5)
+
+
+def test_accuracy_and_evaluate_on_a_model(data):
+    c, n = M.accuracy_counts(torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]]), torch.tensor([1, 1, -1]))
+    assert (int(c), int(n)) == (1, 2)
+    val = [{"x": data[0], "y": data[1]}]
+    ev_cb = Evaluate(_eval_fn, val, metric=M.Accuracy(), every_steps=2, every_epochs=None, at_end=True)
+    rec = Recorder()
+    state = fit(make_state(), PermLoader(*data), step_fn, epochs=1, callbacks=[ev_cb, rec]).state
+    evals = [e for e in rec.events if isinstance(e, ev.EvalEnd)]
+    assert [e.step for e in evals] == [2, 4]  # at_end does not repeat step 4
+    logits = torch.func.functional_call(state.model, (state.params, state.buffers), (data[0],))
+    assert evals[-1].metrics["acc"] == pytest.approx(float((logits.argmax(-1) == data[1]).float().mean()))
+    with pytest.raises(ValueError, match="no batches"):
+        Evaluate(_eval_fn, []).evaluate(state)
+
+
+def test_stop_on_non_finite_names_step_and_batch(data):
+    def nan_at_3(state, batch):
+        new, m = step_fn(state, batch)
+        if int(state.step) == 2:
+            m = dict(m, loss=torch.tensor(float("nan")))
+        return new, m
+
+    rec = Recorder()
+    with pytest.warns(RuntimeWarning, match="nan at step 3"):
+        res = fit(make_state(), PermLoader(*data), nan_at_3, epochs=2, callbacks=[StopOnNonFinite(), rec])
+    assert res.status == "stopped" and int(res.state.step) == 3
+    assert "batch of 8 samples" in res.stop_reason and "epoch 0, iteration 2" in res.stop_reason
+    # batched checks: still names step 3, stops at the next check
+    with pytest.warns(RuntimeWarning, match="at step 3"):
+        res = fit(make_state(), PermLoader(*data), nan_at_3, epochs=2, callbacks=[StopOnNonFinite(check_every=4)])
+    assert int(res.state.step) == 4
+    with pytest.raises(FloatingPointError, match="step 3"):
+        fit(make_state(), PermLoader(*data), nan_at_3, epochs=2, callbacks=[StopOnNonFinite(raise_error=True)])
+
+
+def test_early_stopping(data):
+    val = [{"x": data[0], "y": data[1]}]
+    values = iter([1.0, 0.5, 0.6, 0.55, 0.7, 0.1])
+    stop = EarlyStopping("m", mode="min", patience=3)
+    res = fit(make_state(), PermLoader(*data), step_fn, epochs=9,
+              callbacks=[Evaluate(lambda s, b: {"m": torch.tensor(next(values))}, val), stop])
+    assert res.status == "stopped" and res.state.cursor.epoch == 5 and "did not improve" in res.stop_reason
+    assert stop.best == 0.5
+
+
+def test_trace_jsonl_and_batch_stats(data, tmp_path):
+    batch = {"coord": torch.zeros(10, 3), "offset": torch.tensor([4, 10])}
+    assert batch_stats(batch) == {"clouds": 2, "points": 10}
+
+    class PointLoader(PermLoader):
+        def iter_epoch(self, epoch, start=0):
+            for b in super().iter_epoch(epoch, start):
+                yield dict(b, coord=torch.zeros(12, 3), offset=torch.tensor([5, 12]))
+
+    path = tmp_path / "trace.jsonl"
+    fit(make_state(), PointLoader(*data, limit=3), step_fn, epochs=1, callbacks=[Trace(2, jsonl=path)])
+    done = fit(make_state(), PointLoader(*data), step_fn, epochs=1, iters_per_epoch=1).state
+    fit(done, PointLoader(*data), step_fn, epochs=1, callbacks=[Trace(jsonl=path)])
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    names = [r["name"] for r in recs]
+    assert names == ["training_start", "batch", "dataloader_exhausted", "training_end", "training_already_complete"]
+    assert recs[1]["step"] == 2 and recs[1]["clouds"] == 2 and recs[1]["points"] == 12
+
+
+def test_wandb_offline(data, tmp_path):
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        print("SKIP test_wandb_offline: wandb is not installed (pip install 'pimm_fn[wandb]')")
+        pytest.skip("wandb is not installed (pip install 'pimm_fn[wandb]')")
+    cb = WandB(project="pimm_fn-test", mode="offline", dir=str(tmp_path))
+    fit(make_state(), PermLoader(*data), step_fn, epochs=1, callbacks=[cb])
+    assert any((tmp_path / "wandb").iterdir())
+
+
+def test_wandb_without_wandb_says_how_to_install(data, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_wandb(name, *a, **k):
+        if name == "wandb":
+            raise ImportError("No module named 'wandb'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(ImportError, match="pip install"):
+        fit(make_state(), PermLoader(*data), step_fn, epochs=1, callbacks=[WandB(mode="offline")])
