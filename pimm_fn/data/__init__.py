@@ -1,0 +1,36 @@
+"""Data layer: collate, resumable sampler, loaders, multi-dataset mixing, transforms, data sets.
+
+Everything here feeds ``fit`` through the loader protocol documented in
+:mod:`pimm_fn.data.loaders`; nothing here depends on steps or optimizers.
+"""
+from .collate import (
+    InstanceCollate, PointCollate, collate, image_collate, instance_collate, mix3d,
+    point_collate, validate_point_batch,
+)
+from .datasets import (
+    DigitsImages, FrogTissueBlocks, LidarBlocks, SyntheticScenes, SyntheticStream,
+    read_vti, synthetic_scene,
+)
+from .dynamic import mark_point_dims_dynamic, pad_points_to_bucket
+from .fetch import DatasetMissingError, data_root, fetch, fetch_command
+from .loaders import (
+    EpochLoader, build_eval_loader, build_train_loader, check_nonempty, sample_seed,
+    samples_in, seed_worker,
+)
+from .multi import MultiDatasetLoader, build_multi_loader
+from .sampler import ResumableSampler, epoch_order, samples_per_rank
+from . import transforms
+
+__all__ = [
+    "InstanceCollate", "PointCollate", "collate", "image_collate", "instance_collate", "mix3d",
+    "point_collate", "validate_point_batch",
+    "DigitsImages", "FrogTissueBlocks", "LidarBlocks", "SyntheticScenes", "SyntheticStream",
+    "read_vti", "synthetic_scene",
+    "mark_point_dims_dynamic", "pad_points_to_bucket",
+    "DatasetMissingError", "data_root", "fetch", "fetch_command",
+    "EpochLoader", "build_eval_loader", "build_train_loader", "check_nonempty", "sample_seed",
+    "samples_in", "seed_worker",
+    "MultiDatasetLoader", "build_multi_loader",
+    "ResumableSampler", "epoch_order", "samples_per_rank",
+    "transforms",
+]
