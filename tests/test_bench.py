@@ -1,0 +1,146 @@
+"""pimm_fn.bench: benchmark_step on a tiny step reports sane, serialisable fields."""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pimm_fn.bench import BenchResult, PeakMemory, batch_size, bench_main, benchmark_step, load_factory
+from pimm_fn.compile import compile_step
+from pimm_fn.optim.base import GradientTransformation
+from pimm_fn.state import TrainState
+from pimm_fn.tree import tree_map
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, batch):
+        return {"loss": F.cross_entropy(self.fc(batch["x"]), batch["y"])}
+
+
+def _sgd(lr=0.1):
+    # A minimal transform so the test does not depend on pimm_fn.optim's transforms.
+    return GradientTransformation(
+        init=lambda p: {},
+        update=lambda g, s, p: (tree_map(lambda x: -lr * x, g), s),
+    )
+
+
+def _core(state, batch):
+    """A plain pure core: SGD on the tiny model (no Step wrapper)."""
+    params = {k: v.detach().requires_grad_(True) for k, v in state.params.items()}
+    out = torch.func.functional_call(state.model, (params, state.buffers), (batch,))
+    grads = torch.autograd.grad(out["loss"], list(params.values()))
+    new = {k: (p - 0.1 * g).detach() for (k, p), g in zip(params.items(), grads)}
+    return state.replace(step=state.step + 1, params=new), {"loss": out["loss"].detach()}
+
+
+def _breaking_core(state, batch):
+    """The same step with a deliberate host sync: ``.item()`` is a graph break."""
+    new_state, metrics = _core(state, batch)
+    if metrics["loss"].item() > 1e9:  # noqa: PLR2004 - the .item() is the point
+        metrics["big"] = metrics["loss"]
+    return new_state, metrics
+
+
+def _setup():
+    torch.manual_seed(0)
+    state = TrainState.create(Tiny(), _sgd())
+    batches = [{"x": torch.randn(8, 4), "y": torch.randint(0, 3, (8,))} for _ in range(3)]
+    return state, batches
+
+
+def test_benchmark_step_reports_sane_fields():
+    state, batches = _setup()
+    res = benchmark_step(_core, state, batches, steps=6, warmup=1, eager_baseline=True, rounds=2)
+    assert isinstance(res, BenchResult)
+    assert res.compiled and res.compile_error is None
+    assert res.compile_count == 1 and res.recompiles_in_timed_steps == 0 and res.recompile_reasons == []
+    assert res.graph_break_count == 0 and res.break_reasons == [] and not res.has_graph_breaks
+    assert len(res.step_times_ms) == 6 and all(t > 0 for t in res.step_times_ms)
+    assert res.step_ms["min"] <= res.step_ms["median"] <= res.step_ms["max"]
+    assert res.first_call_s is not None and res.first_call_s > res.step_ms["median"] / 1e3
+    assert res.compile_s is not None and res.compile_s > 0
+    assert res.samples_per_step == 8 and res.points_per_step is None and res.samples_per_s > 0
+    assert res.eager_step_ms is not None and res.speedup_vs_eager > 0
+    assert res.peak_memory_bytes is not None and res.peak_memory_bytes >= 0 and res.memory_method
+    d = json.loads(res.to_json())
+    assert d["compile_count"] == 1 and d["has_graph_breaks"] is False
+    text = res.table()
+    assert "compilations" in text and "graph breaks" in text and "speedup vs eager" in text
+
+
+def test_graph_break_is_reported_not_hidden():
+    state, batches = _setup()
+    res = benchmark_step(_breaking_core, state, batches, steps=2, warmup=0)
+    # fullgraph compilation fails on .item(); the result says so and times the step eagerly
+    assert res.has_graph_breaks
+    assert any("item" in r.lower() for r in res.break_reasons), res.break_reasons
+    assert not res.compiled and res.compile_error is not None
+    assert "COMPILE FAILED" in res.table()
+    assert len(res.step_times_ms) == 2
+    json.loads(res.to_json())
+
+
+def test_recompiles_on_new_shapes_are_counted():
+    state, _ = _setup()
+    batches = [{"x": torch.randn(n, 4), "y": torch.randint(0, 3, (n,))} for n in (8, 9, 10, 11)]
+    step = compile_step(_core)
+    res = benchmark_step(step, state, batches, steps=4, warmup=1, check_graph_breaks=False)
+    # static first, then one dynamic recompile on the second size (in warm-up); none after
+    assert res.compile_count == 2, res.recompile_reasons
+    assert len(res.recompile_reasons) == 1 and res.recompiles_in_timed_steps == 0
+
+
+def test_batch_size_of_point_batches():
+    batch = {"coord": torch.zeros(30, 3), "offset": torch.tensor([10, 30])}
+    assert batch_size(batch) == (2.0, 30.0)
+    assert batch_size({"x": torch.zeros(5, 2)}) == (5.0, None)
+    assert batch_size([batch, batch]) == (4.0, 60.0)
+
+
+def test_peak_memory_sees_an_allocation():
+    with PeakMemory(torch.device("cpu")) as mem:
+        x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        del x
+    assert mem.peak_bytes is not None and mem.peak_bytes > 32 * 2**20, (mem.peak_bytes, mem.method)
+
+
+def test_load_factory_errors_name_the_problem():
+    with pytest.raises(ValueError, match="module:function"):
+        load_factory("no_colon")
+    with pytest.raises(AttributeError, match="no factory"):
+        load_factory("pimm_fn.bench:does_not_exist")
+
+
+def test_bench_main_user_factory(tmp_path, capsys):
+    factory = tmp_path / "my_wl.py"
+    factory.write_text(
+        "import torch, torch.nn as nn, torch.nn.functional as F\n"
+        "from pimm_fn.bench import Workload\n"
+        "from pimm_fn.optim.base import GradientTransformation\n"
+        "from pimm_fn.state import TrainState\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.fc = nn.Linear(4, 3)\n"
+        "    def forward(self, b):\n"
+        "        return {'loss': F.cross_entropy(self.fc(b['x']), b['y'])}\n"
+        "def core(state, batch):\n"
+        "    p = {k: v.detach().requires_grad_(True) for k, v in state.params.items()}\n"
+        "    out = torch.func.functional_call(state.model, (p, state.buffers), (batch,))\n"
+        "    g = torch.autograd.grad(out['loss'], list(p.values()))\n"
+        "    new = {k: (v - 0.1 * gi).detach() for (k, v), gi in zip(p.items(), g)}\n"
+        "    return state.replace(step=state.step + 1, params=new), {'loss': out['loss'].detach()}\n"
+        "def make():\n"
+        "    tx = GradientTransformation(lambda p: {}, lambda g, s, p: (g, s))\n"
+        "    state = TrainState.create(M(), tx)\n"
+        "    return Workload('tiny', core, state, [{'x': torch.randn(8, 4), 'y': torch.randint(0, 3, (8,))}])\n"
+    )
+    out = tmp_path / "r.json"
+    assert bench_main([f"{factory}:make", "--steps", "3", "--warmup", "0", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["name"] == "tiny"
+    assert "step time" in capsys.readouterr().out
