@@ -77,7 +77,10 @@ class History:
         for k in keys:
             vals = [m[k] for _, m in self._pending if k in m and _scalar(m[k])]
             if vals:
-                metrics[k] = torch.stack([torch.as_tensor(v).detach().reshape(()) for v in vals])
+                metrics[k] = torch.stack([
+                    v.detach() if isinstance(v, torch.Tensor) and v.dim() == 0 else torch.as_tensor(v).detach().reshape(())
+                    for v in vals
+                ])
         rec = {
             "epoch": self._pending_epoch,
             "steps": torch.tensor([s for s, _ in self._pending], dtype=torch.int64),
@@ -302,28 +305,31 @@ class _Run:
 
     # ----- dispatch
     def _snapshot(self, state):
-        if self.guard == "off":
+        if self.guard == "off" or not self.callbacks:
             return None
-        snap = [id(state.__dict__.get(f)) for f in sorted(state.__dict__)]
+        d = state.__dict__
+        snap = [tuple(d), tuple(map(id, d.values()))]
         for f in ("params", "buffers", "extra"):
-            d = getattr(state, f, None)
-            if isinstance(d, dict):
-                snap.append((f, len(d), tuple(map(id, d.values()))))
+            v = d.get(f)
+            if isinstance(v, dict):
+                snap.append((f, len(v), tuple(map(id, v.values()))))
         if self.guard == "full":
             from .tree import tree_leaves
 
-            snap.append(tuple((id(t), t._version) for t in tree_leaves(state) if isinstance(t, torch.Tensor)))
+            snap.append(("a tensor in place", tuple((id(t), t._version) for t in tree_leaves(state)
+                                                    if isinstance(t, torch.Tensor))))
         return snap
 
     def _changed(self, state, snap) -> list:
         now = self._snapshot(state)
         if now == snap:
             return []
-        fields = sorted(state.__dict__)
-        changed = [fields[i] for i in range(len(fields)) if now[i] != snap[i]]
-        for a, b in zip(now[len(fields):], snap[len(fields):]):
-            if a != b:
-                changed.append(a[0] if isinstance(a, tuple) and isinstance(a[0], str) else "a tensor in place")
+        changed = []
+        if now[0] != snap[0]:
+            changed.append("its fields")
+        else:
+            changed += [f for f, a, b in zip(now[0], now[1], snap[1]) if a != b]
+        changed += [a[0] for a, b in zip(now[2:], snap[2:]) if a != b]
         return changed or ["the state"]
 
     def _call(self, cb, event, state, snap):
@@ -351,6 +357,8 @@ class _Run:
 
     def dispatch(self, event, state, *, terminal=False):
         """Deliver ``event`` (and the events callbacks emit) to every callback; honour requests."""
+        if not self.callbacks:
+            return
         snap = self._snapshot(state)
         queue = collections.deque([event])
         saves: list = []
@@ -443,15 +451,16 @@ class _Run:
         history = self.history
         try:
             while pos < ipe:
+                tracing = self._tracing()
                 t0 = time.perf_counter()
-                with self.span("data_fetch"):
+                with torch.profiler.record_function("data_fetch") if tracing else _NULL:
                     batch = next(it, _END)
                 if batch is _END:
                     exhausted = True
                     self.instant("dataloader_exhausted")
                     break
                 t1 = time.perf_counter()
-                with self.span("step"):
+                with torch.profiler.record_function("step") if tracing else _NULL:
                     new, metrics = self.step_fn(self.state, batch)
                 n = src.samples_in(batch)
                 cursor = self.state.cursor
@@ -466,14 +475,15 @@ class _Run:
                     torch.cuda.empty_cache()
                 if history is not None:
                     history._add(epoch, self.step, metrics)
-                self.dispatch(
-                    ev.StepEnd(
-                        step=self.step, epoch=epoch, iteration=pos, samples_seen=new.cursor.samples_seen,
-                        metrics=metrics, batch_size=n, data_time=t1 - t0, step_time=t2 - t1,
-                        iters_per_epoch=ipe, epochs=self.epochs, batch=batch,
-                    ),
-                    new,
-                )
+                if self.callbacks:
+                    self.dispatch(
+                        ev.StepEnd(
+                            step=self.step, epoch=epoch, iteration=pos, samples_seen=new.cursor.samples_seen,
+                            metrics=metrics, batch_size=n, data_time=t1 - t0, step_time=t2 - t1,
+                            iters_per_epoch=ipe, epochs=self.epochs, batch=batch,
+                        ),
+                        new,
+                    )
                 pos += 1
                 if self.stop_reason is not None:
                     break
