@@ -256,3 +256,27 @@ def test_wandb_without_wandb_says_how_to_install(data, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_wandb)
     with pytest.raises(ImportError, match="pip install"):
         fit(make_state(), PermLoader(*data), step_fn, epochs=1, callbacks=[WandB(mode="offline")])
+
+
+def test_interrupt_during_a_checkpoint_write_leaves_no_partial_file(data, tmp_path, monkeypatch):
+    from pimm_fn import checkpoint as ckpt
+
+    real = os.fsync
+    hits = {"n": 0}
+
+    def fsync(fd):
+        name = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else ""
+        if name.endswith(".tmp") and "step_4" in name and hits["n"] == 0:
+            hits["n"] += 1
+            raise KeyboardInterrupt  # the notebook's stop button, mid-write
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    rec = Recorder()
+    res = fit(make_state(), PermLoader(*data), step_fn, epochs=2,
+              callbacks=[rec, Checkpoint(tmp_path, every_steps=2, every_epochs=None, save_on_interrupt=False)])
+    assert hits["n"] == 1 and res.status == "interrupted" and int(res.state.step) == 4
+    assert rec.kinds()[-1] == "Interrupted"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".ckpt") == ["step_2.ckpt"]
+    assert ckpt.CheckpointDir(tmp_path).latest().name == "step_2.ckpt"
