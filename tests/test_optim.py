@@ -75,7 +75,7 @@ CONFIGS = {
 }
 
 
-def one_cycle_kw(total):
+def one_cycle_kw():
     return dict(pct_start=0.3, anneal_strategy="cos", div_factor=10.0, final_div_factor=100.0)
 
 
@@ -89,7 +89,7 @@ def build_torch(name, model, total=STEPS):
     ]
     opt = cls(groups, **kw)
     sched = torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=[kw["lr"], block["lr"]], total_steps=total, **one_cycle_kw(total)
+        opt, max_lr=[kw["lr"], block["lr"]], total_steps=total, **one_cycle_kw()
     )
     return opt, sched
 
@@ -103,7 +103,7 @@ def build_ours(name, total=STEPS):
         grouped(
             factory,
             [{"keyword": "block", **block}],
-            lr_schedule=lambda lr: one_cycle(total, lr, **one_cycle_kw(total)),
+            lr_schedule=lambda lr: one_cycle(total, lr, **one_cycle_kw()),
             **kw,
         ),
     )
@@ -156,7 +156,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def torch_runs():
-    """Per config: (final torch params, pre-clip grad norms, the lrs each group ended with)."""
+    """Per config: (the torch-trained model, its pre-clip grad norms per step)."""
     out = {}
     for name in CONFIGS:
         model = make_model()
@@ -220,6 +220,20 @@ def test_amsgrad_and_constant_lr_match_torch():
     tx = adamw(0.01, weight_decay=0.1, amsgrad=True)
     params = detached(model)
     out, _ = our_steps(model, tx.update, params, tx.init(params), BATCHES[:80])
+    assert max_diff(out, model_t) <= TOL
+
+
+def test_sgd_dampening_matches_torch():
+    # With dampening the first step must take the raw gradient as the buffer, as torch does.
+    model_t, model = make_model(), make_model()
+    opt = torch.optim.SGD(model_t.parameters(), lr=0.05, momentum=0.9, dampening=0.5)
+    for x, y in BATCHES[:30]:
+        opt.zero_grad()
+        nn.functional.mse_loss(model_t(x), y).backward()
+        opt.step()
+    tx = sgd(0.05, momentum=0.9, dampening=0.5)
+    params = detached(model)
+    out, _ = our_steps(model, tx.update, params, tx.init(params), BATCHES[:30])
     assert max_diff(out, model_t) <= TOL
 
 
