@@ -1,0 +1,487 @@
+"""The GRPO step: sample a group of trajectories per input, score them, update the policy P times.
+
+Replaces the seed's GRPOTrainer (seed-behaviour.md items 14-18). One call
+``state, metrics = step(state, batch)`` runs two phases:
+
+1. **Rollout (host, eager, no grad).** torch's generator is seeded from the state's RNG
+   key, then ``sample(policy, batch, group_size)`` draws G trajectories for each of the
+   B inputs of the batch and returns a :class:`Rollout`. ``reward(batch, rollout)``
+   scores them (``[B, G]``, or ``[B, G, T]`` per-step rewards) and the rewards are
+   validated on the host (:func:`pimm_fn.rl.validate_rewards`). This phase may run any
+   Python (a gymnasium environment); it is never compiled into the update.
+2. **Update (pure core).** Advantages, the reference policy's log-probs (only when
+   ``kl_coef != 0``), then P = ``policy_updates`` optimizer updates over the cached
+   rollout, each optionally split into trajectory micro-batches whose losses are weighted
+   by count / total so that one update sees the full-batch gradient. This core is a
+   plain step function ``(state, rollout) -> (state, metrics)``: ``compile_step``
+   compiles it with ``fullgraph=True`` and ``explain_step`` inspects it.
+
+The optimizer's own count advances P times per batch, so schedules count optimizer
+updates (size them ``batches * epochs * P``, as the seed does). The frozen reference
+params live in ``state.extra["grpo_ref"]`` (see :func:`with_reference`); everything a
+mid-run resume needs (params, optimizer state, reference, RNG key, cursor) is in the state.
+
+The policy is any module with a method (default ``log_probs``) mapping inputs to
+normalised log-probabilities over actions, ``[..., A]``. The step calls it through
+``functional_call`` with the state's params; the module's own tensors are never read.
+Sampling (``sample``), per-chunk log-probs (``log_prob``) and the objective (``loss``)
+are separate arguments, so either can be swapped; docs/writing_a_step.md shows a user
+writing a whole new variant from :mod:`pimm_fn.rl`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import torch
+from torch.func import functional_call
+
+from .. import rl
+from ..compile import Step, compile_step
+from ..optim.base import apply_updates
+from ..state import RngKey, TrainState
+from ..tree import all_finite, global_norm, tree_map, tree_where
+
+__all__ = [
+    "Rollout",
+    "PolicyFn",
+    "GRPOStep",
+    "grpo",
+    "grpo_objective",
+    "categorical_log_prob",
+    "with_reference",
+    "REF_KEY",
+]
+
+REF_KEY = "grpo_ref"  # state.extra[REF_KEY]: the frozen reference policy's params
+
+
+class Rollout(NamedTuple):
+    """What the sampler hands the update: a pytree of tensors plus host-side metrics.
+
+    traj: per-trajectory tensors, leading dim N = B * G (event-major: trajectory
+        ``b * G + g`` is sample g of input b); micro-batches slice every entry. Must hold
+        ``actions`` and ``logp_old`` (``[N, T]`` per step, or ``[N]``), optionally
+        ``mask`` (same shape as ``logp_old``; 1 = real step) and anything the
+        ``log_prob`` function reads (e.g. ``obs`` ``[N, T, D]``).
+    shared: inputs every micro-batch needs whole (e.g. the point batch whose clouds the
+        trajectories label); any pytree of tensors, or None.
+    rewards: ``[B, G]`` or per-step ``[B, G, T]``; None when ``reward`` computes them.
+    metrics: 0-dim tensors describing the rollout (e.g. mean episode return); they are
+        added to the step's metrics unchanged.
+    """
+
+    traj: dict
+    shared: Any = None
+    rewards: Optional[torch.Tensor] = None
+    metrics: dict = {}
+
+
+class _Method(torch.nn.Module):
+    """Exposes ``inner.<name>`` as ``forward`` so ``functional_call`` can call it."""
+
+    def __init__(self, inner: torch.nn.Module, name: str):
+        super().__init__()
+        self.inner = inner
+        self.name = name
+
+    def forward(self, *args, **kwargs):
+        return getattr(self.inner, self.name)(*args, **kwargs)
+
+
+class PolicyFn:
+    """``policy(inputs) -> log-probabilities [..., A]``: a module's method bound to given params.
+
+    Built by the step for the current params (sampling, update) or the reference params;
+    users only call it. ``check=True`` (the host rollout) verifies the output is a
+    normalised log-probability table.
+    """
+
+    def __init__(self, model: torch.nn.Module, params: dict, buffers: dict, method: str = "log_probs",
+                 check: bool = False, wrapped: Optional[torch.nn.Module] = None):
+        self.model, self.method, self.check = model, method, check
+        # Building a Module inside a compiled region breaks the graph: the step passes one
+        # it built on the host.
+        self._wrapped = wrapped if wrapped is not None else _Method(model, method)
+        self._tensors = {**{f"inner.{k}": v for k, v in params.items()},
+                         **{f"inner.{k}": v for k, v in buffers.items()}}
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        out = functional_call(self._wrapped, self._tensors, args, kwargs)
+        if self.check:
+            _check_log_probs(out, type(self.model).__name__, self.method)
+        return out
+
+
+def _check_log_probs(out, model_name: str, method: str) -> None:
+    if not isinstance(out, torch.Tensor) or not out.is_floating_point() or out.dim() < 1:
+        raise TypeError(
+            f"{model_name}.{method}(inputs) must return a float tensor of log-probabilities "
+            f"[..., num_actions], got {type(out).__name__}"
+        )
+    total = out.detach().float().logsumexp(-1)
+    if out.numel() and not bool(torch.allclose(total, torch.zeros_like(total), atol=1e-3)):
+        raise ValueError(
+            f"{model_name}.{method}(inputs) did not return log-probabilities: logsumexp over "
+            f"the last dim is {float(total.flatten()[0]):.4g}, not 0. Return "
+            "torch.log_softmax(logits, -1), not raw logits or probabilities."
+        )
+
+
+def categorical_log_prob(policy: PolicyFn, shared, traj: dict) -> dict:
+    """The default ``log_prob``: log pi(action) and the entropy at every step.
+
+    The policy is applied to ``traj["obs"]`` when the rollout has per-trajectory
+    observations, else to ``shared``; its ``[..., A]`` table is gathered at
+    ``traj["actions"]`` with broadcasting (a ``[P, A]`` table shared by the ``[n, P]``
+    actions of n trajectories gives ``[n, P]``).
+
+    Returns ``{"logp": like actions, "entropy": like actions}``.
+    """
+    table = policy(traj["obs"]) if "obs" in traj else policy(shared)
+    actions = traj["actions"]
+    logp = torch.take_along_dim(table, actions.unsqueeze(-1), dim=-1).squeeze(-1)
+    entropy = -(table.exp() * table).sum(-1)
+    return {"logp": logp, "entropy": entropy.expand_as(logp)}
+
+
+LossFn = Callable[[dict, dict, int], tuple]
+
+
+def grpo_objective(
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    level: str = "token",
+    reduction: str = "sequence",
+) -> LossFn:
+    """The default GRPO loss: :func:`pimm_fn.rl.grpo_loss` over one micro-batch.
+
+    A loss function is ``loss(out, chunk, update_index) -> (loss, metrics)``; ``out`` is
+    what ``log_prob`` returned for the chunk (``out["logp"]`` carries the gradient) and
+    ``chunk`` holds ``logp_old``, ``advantages``, ``mask`` (or None), ``logp_ref`` (None
+    without KL) and ``traj`` (the sliced per-trajectory tensors). Metrics should include
+    ``count`` (units averaged over) for exact micro-batch combination.
+    """
+
+    def loss(out, chunk, update_index):
+        return rl.grpo_loss(
+            out["logp"], chunk["logp_old"], chunk["logp_ref"], chunk["advantages"], chunk["mask"],
+            clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, kl_estimator=kl_estimator,
+            level=level, reduction=reduction,
+        )
+
+    return loss
+
+
+def with_reference(state: TrainState) -> TrainState:
+    """The state with a frozen copy of its current params as the KL reference policy."""
+    ref = {k: v.detach().clone() for k, v in state.params.items()}
+    return state.replace(extra={**state.extra, REF_KEY: ref})
+
+
+_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "step")
+
+
+def _advantages(kind, rewards: torch.Tensor, mask: Optional[torch.Tensor], gamma: float, eps: float):
+    """``[N]`` (trajectory rewards) or ``[N, T]`` (per-step rewards) advantages."""
+    if callable(kind):
+        return kind(rewards, mask)
+    if rewards.dim() == 3:
+        b, g, t = rewards.shape
+        m = torch.ones_like(rewards) if mask is None else mask.reshape(b, g, t).to(rewards.dtype)
+        if kind == "step":
+            return rl.step_advantages(rewards, m, gamma=gamma, eps=eps).reshape(b * g, t)
+        # trajectory-level advantage of the summed reward, broadcast to every step
+        total = (rewards * m).sum(-1)
+        return _advantages(kind, total, None, gamma, eps).reshape(b * g, 1).expand(b * g, t) * m.reshape(b * g, t)
+    if kind == "step":
+        raise ValueError("advantage='step' needs per-step rewards [B, G, T] from the sampler or reward function")
+    if kind == "rloo":
+        adv = rl.rloo_advantages(rewards)
+    else:
+        adv = rl.grpo_advantages(rewards, eps=eps, scale=(kind == "grpo"))
+    return adv.reshape(-1)
+
+
+class GRPOStep:
+    """A GRPO step ``(state, batch) -> (state, metrics)``: host rollout + pure update core.
+
+    Attributes:
+        update: the pure core as a :class:`pimm_fn.compile.Step` over ``(state, rollout)``;
+            pass it to ``compile_step`` / ``explain_step``.
+        rollout(state, batch): the host phase alone (seed torch from ``state.rng`` first
+            to reproduce what a step would sample; :meth:`__call__` does that).
+    Build it with :func:`grpo`; ``step.compile(...)`` gives the same step with the update
+    compiled (``fullgraph=True``).
+    """
+
+    def __init__(self, *, sample, reward, group_size, log_prob, loss, policy_updates, microbatch_size,
+                 weight_by, advantage, gamma, eps, kl, clip_grad, method, update=None, name="grpo"):
+        self.sample, self.reward, self.group_size = sample, reward, group_size
+        self.log_prob, self.loss = log_prob, loss
+        self.policy_updates, self.microbatch_size, self.weight_by = policy_updates, microbatch_size, weight_by
+        self.advantage, self.gamma, self.eps, self.kl = advantage, gamma, eps, kl
+        self.clip_grad, self.method, self.name = clip_grad, method, name
+        self.update = Step(self._core, name=f"{name}_update")
+        self._wrapper: Optional[_Method] = None
+        self._update_fn = update if update is not None else self.update
+
+    def _policy(self, model, params, buffers, check=False) -> PolicyFn:
+        w = self._wrapper
+        if w is None or w.inner is not model:
+            if torch.compiler.is_compiling():
+                raise RuntimeError("run step.rollout(state, batch) on the host before tracing the update core")
+            w = self._wrapper = _Method(model, self.method)
+        return PolicyFn(model, params, buffers, self.method, check=check, wrapped=w)
+
+    # ------------------------------------------------------------------ host phase
+
+    def rollout(self, state: TrainState, batch) -> Rollout:
+        """Sample (no grad), score and validate one rollout for ``batch``."""
+        model = state.model
+        if self.log_prob is categorical_log_prob and not callable(getattr(model, self.method, None)):
+            raise TypeError(
+                f"{type(model).__name__} has no {self.method}() method: a GRPO policy must expose "
+                f"log-probabilities of actions, {self.method}(inputs) -> log_softmax(logits) [..., A]. "
+                "Add the method, name another with grpo(method=...), or pass your own log_prob."
+            )
+        if self.kl and REF_KEY not in state.extra:
+            raise KeyError(
+                f"kl_coef != 0 needs the frozen reference policy in state.extra[{REF_KEY!r}]; "
+                "build the state with pimm_fn.steps.grpo.with_reference(state)"
+            )
+        policy = self._policy(model, state.params, state.buffers, check=True)
+        with torch.no_grad():
+            ro = self.sample(policy, batch, self.group_size)
+        if not isinstance(ro, Rollout):
+            raise TypeError(f"sample() must return a pimm_fn.steps.grpo.Rollout, got {type(ro).__name__}")
+        for key in ("actions", "logp_old"):
+            if key not in ro.traj:
+                raise KeyError(f"the rollout's traj has no {key!r} (keys: {sorted(ro.traj)})")
+        n = ro.traj["logp_old"].shape[0]
+        g = self.group_size
+        if n % g:
+            raise ValueError(f"the rollout has {n} trajectories, not a multiple of group_size={g}")
+        for k, v in ro.traj.items():
+            if v is not None and v.shape[:1] != (n,):
+                raise ValueError(f"rollout traj[{k!r}] has leading dim {tuple(v.shape[:1])}, expected ({n},)")
+        mask = ro.traj.get("mask")
+        if mask is not None and mask.shape != ro.traj["logp_old"].shape:
+            raise ValueError(f"traj['mask'] shape {tuple(mask.shape)} != logp_old shape {tuple(ro.traj['logp_old'].shape)}")
+        rewards = ro.rewards
+        if self.reward is not None:
+            with torch.no_grad():
+                rewards = self.reward(batch, ro)
+        if rewards is None:
+            raise ValueError("no rewards: give grpo(reward=fn) or return Rollout(rewards=...) from sample()")
+        rewards = torch.as_tensor(rewards)
+        if rewards.dim() == 3:
+            t = ro.traj["logp_old"].shape[-1] if ro.traj["logp_old"].dim() == 2 else 1
+            if tuple(rewards.shape) != (n // g, g, t):
+                raise ValueError(f"per-step rewards have shape {tuple(rewards.shape)}, expected {(n // g, g, t)} "
+                                 "(events x trajectories per event x steps)")
+            _validate_step_rewards(rewards)
+        else:
+            rl.validate_rewards(rewards, (n // g, g))
+        metrics = {k: torch.as_tensor(v).detach().float().reshape(()) for k, v in dict(ro.metrics).items()}
+        return ro._replace(rewards=rewards.detach().float(), metrics=metrics)
+
+    # ------------------------------------------------------------------ pure core
+
+    def _core(self, state: TrainState, ro: Rollout):
+        g, p_updates = self.group_size, self.policy_updates
+        traj, shared, rewards = ro.traj, ro.shared, ro.rewards
+        mask = traj.get("mask")
+        n = traj["logp_old"].shape[0]
+        with torch.no_grad():
+            adv = _advantages(self.advantage, rewards, mask, self.gamma, self.eps)
+            logp_ref = None
+            if self.kl:
+                ref = self._policy(state.model, state.extra[REF_KEY], state.buffers)
+                logp_ref = self.log_prob(ref, shared, traj)["logp"].detach()
+        counts = None
+        if self.weight_by == "tokens" and mask is not None:
+            counts = mask.to(torch.float32).sum(-1) if mask.dim() == 2 else mask.to(torch.float32)
+        slices = rl.microbatch_slices(n, self.microbatch_size, group_size=g, counts=counts)
+
+        params, opt_state = state.params, state.opt_state
+        hyper = state.tx.hyperparams(state.opt_state) if state.tx.hyperparams is not None else {}
+        update_metrics, skipped = [], []
+        for p in range(p_updates):
+            grads, outs = None, []
+            for mb in slices:
+                s, e = mb.start, mb.end
+                chunk_traj = {k: (v[s:e] if v is not None else None) for k, v in traj.items()}
+                leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+                buffers = {k: v.clone() for k, v in state.buffers.items()}
+                out = self.log_prob(self._policy(state.model, leaves, buffers), shared, chunk_traj)
+                chunk = {
+                    "logp_old": chunk_traj["logp_old"],
+                    "advantages": adv[s:e],
+                    "mask": chunk_traj.get("mask"),
+                    "logp_ref": None if logp_ref is None else logp_ref[s:e],
+                    "traj": chunk_traj,
+                }
+                loss, metrics = self.loss(out, chunk, p)
+                weight = mb.weight
+                g_chunk = torch.autograd.grad(loss * weight, list(leaves.values()), allow_unused=True)
+                g_chunk = {k: (gr if gr is not None else torch.zeros_like(params[k])).detach()
+                           for k, gr in zip(leaves, g_chunk)}
+                grads = g_chunk if grads is None else tree_map(torch.add, grads, g_chunk)
+                metrics = {k: v.detach() for k, v in metrics.items()}
+                metrics.setdefault("loss", loss.detach())
+                count = metrics.get(rl.COUNT_KEY, mb.count)
+                outs.append((metrics, count))
+            finite = all_finite(grads)
+            grad_norm = global_norm(grads)
+            if self.clip_grad is not None:
+                coef = torch.clamp(self.clip_grad / (grad_norm + 1e-6), max=1.0)
+                grads = tree_map(lambda x: x * coef, grads)
+            updates, new_opt = state.tx.update(grads, opt_state, params)
+            new_params = apply_updates(params, updates)
+            params = tree_where(finite, new_params, params)
+            opt_state = tree_where(finite, new_opt, opt_state)
+            m = rl.combine_microbatches(outs)
+            m["grad_norm"] = grad_norm
+            update_metrics.append(m)
+            skipped.append((~finite).float())
+
+        metrics = rl.combine_updates(update_metrics)
+        traj_rewards = rewards if rewards.dim() == 2 else (
+            rewards * (mask.reshape(rewards.shape).to(rewards.dtype) if mask is not None else 1.0)).sum(-1)
+        rm = rl.rollout_metrics(traj_rewards)
+        metrics["reward_mean"], metrics["reward_std"] = rm["reward_mean"], rm["reward_std"]
+        metrics["skipped"] = torch.stack(skipped).sum()
+        for k, v in hyper.items():
+            metrics[k] = v.detach().float().reshape(())
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        return new_state, metrics
+
+    # ------------------------------------------------------------------ the step
+
+    def __call__(self, state: TrainState, batch):
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "a GRPO step has a host rollout phase and cannot be compiled whole; use "
+                "step.compile() (compiles the update core) or compile_step(step.update)"
+            )
+        if not isinstance(state, TrainState):
+            raise TypeError(f"a step takes a TrainState as its first argument, got {type(state).__name__}")
+        if state.loss_scale is not None:
+            raise NotImplementedError("the GRPO step does not support loss scaling; build the state with loss_scale=None")
+        torch.manual_seed(state.rng.step_seed())
+        ro = self.rollout(state, batch)
+        # The update core gets its own key, split off this step's key, so randomness inside
+        # it (dropout) does not replay the sampling stream; the state keeps the parent key.
+        sub = RngKey(seed=state.rng.step_seed(), counter=0)
+        new_state, metrics = self._update_fn(state.replace(rng=sub), ro)
+        metrics = {**metrics, **ro.metrics}
+        return new_state.replace(rng=state.rng.next(), cursor=state.cursor), metrics
+
+    def compile(self, **compile_kwargs) -> "GRPOStep":
+        """The same step with its update core compiled by ``compile_step`` (fullgraph).
+
+        compile_kwargs: as :func:`pimm_fn.compile.compile_step` (dynamic, mode, ...).
+        The returned step's ``compiled`` attribute is the CompiledStep (compile counts).
+        """
+        new = GRPOStep(**self._config(), update=None, name=self.name)
+        new.compiled = compile_step(new.update, **compile_kwargs)
+        new._update_fn = new.compiled
+        return new
+
+    def _config(self) -> dict:
+        return dict(sample=self.sample, reward=self.reward, group_size=self.group_size,
+                    log_prob=self.log_prob, loss=self.loss, policy_updates=self.policy_updates,
+                    microbatch_size=self.microbatch_size, weight_by=self.weight_by,
+                    advantage=self.advantage, gamma=self.gamma, eps=self.eps, kl=self.kl,
+                    clip_grad=self.clip_grad, method=self.method)
+
+    def __repr__(self):
+        return (f"GRPOStep(G={self.group_size}, P={self.policy_updates}, M={self.microbatch_size}, "
+                f"compiled={self._update_fn is not self.update})")
+
+
+def _validate_step_rewards(rewards: torch.Tensor) -> None:
+    if not rewards.is_floating_point():
+        raise TypeError(f"rewards must be floating point, got dtype {rewards.dtype}")
+    if rewards.shape[1] < 2:
+        rl.validate_rewards(rewards[..., 0])  # raises the G = 1 error
+    finite = torch.isfinite(rewards)
+    if not bool(finite.all()):
+        bad = (~finite).nonzero().tolist()
+        raise ValueError(
+            f"per-step rewards contain {len(bad)} non-finite value(s) (NaN or inf) at [event, "
+            f"trajectory, step] {bad[:8]}; fix the reward function"
+        )
+
+
+def grpo(
+    *,
+    sample: Callable[[PolicyFn, Any, int], Rollout],
+    group_size: int,
+    reward: Optional[Callable[[Any, Rollout], torch.Tensor]] = None,
+    log_prob: Callable = categorical_log_prob,
+    loss: Optional[LossFn] = None,
+    policy_updates: int = 1,
+    microbatch_size: int = 0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    level: str = "token",
+    reduction: str = "sequence",
+    advantage: Union[str, Callable] = "grpo",
+    gamma: float = 1.0,
+    eps: float = 1e-6,
+    clip_grad: Optional[float] = None,
+    method: str = "log_probs",
+) -> GRPOStep:
+    """Build a GRPO step (see the module docstring).
+
+    sample: ``sample(policy, batch, group_size) -> Rollout``, run on the host under no
+        grad with torch's generator seeded from the state; ``policy(inputs)`` gives the
+        current policy's log-probabilities.
+    group_size: G >= 2 trajectories per input.
+    reward: ``reward(batch, rollout) -> [B, G]`` (or ``[B, G, T]``); None when the sampler
+        fills ``Rollout.rewards`` (an environment's rewards).
+    log_prob: ``log_prob(policy, shared, traj) -> {"logp": ..., ...}`` for a chunk of
+        trajectories (default :func:`categorical_log_prob`).
+    loss: ``loss(out, chunk, update_index) -> (loss, metrics)``; default
+        :func:`grpo_objective` built from clip_low / clip_high / kl_coef / kl_estimator /
+        level / reduction.
+    policy_updates: P >= 1 optimizer updates per rollout.
+    microbatch_size: M trajectories per micro-batch (0 = whole rollout); chunks never
+        cross an input's group; weights count / total make the update exact.
+    kl_coef: 0 runs no reference pass; otherwise the state needs :func:`with_reference`.
+    reduction: "sequence" weights micro-batches by trajectories, "token" by valid steps
+        (pass the same reduction your custom loss averages with).
+    advantage: "grpo", "dr_grpo" (no std scaling), "rloo", "step" (per-step rewards,
+        :func:`pimm_fn.rl.step_advantages` with ``gamma``) or ``fn(rewards, mask) -> [N]/[N, T]``.
+    clip_grad: max global gradient norm per update, or None.
+    method: the policy module's log-probability method.
+    """
+    if int(group_size) < 2:
+        raise ValueError(
+            f"group_size={group_size}: GRPO compares the G trajectories sampled for one input with "
+            "each other, so G = 1 leaves no group to compare against. Use group_size >= 2."
+        )
+    if int(policy_updates) < 1:
+        raise ValueError(f"policy_updates must be >= 1, got {policy_updates}")
+    if int(microbatch_size) < 0:
+        raise ValueError(f"microbatch_size must be >= 0 (0 = no splitting), got {microbatch_size}")
+    if not callable(advantage) and advantage not in _ADVANTAGES:
+        raise ValueError(f"advantage must be one of {_ADVANTAGES} or a callable, got {advantage!r}")
+    if reduction not in ("sequence", "token"):
+        raise ValueError(f"reduction must be 'sequence' or 'token', got {reduction!r}")
+    if not callable(sample):
+        raise TypeError("sample must be a function sample(policy, batch, group_size) -> Rollout")
+    if loss is None:
+        loss = grpo_objective(clip_low, clip_high, kl_coef, kl_estimator, level, reduction)
+    return GRPOStep(
+        sample=sample, reward=reward, group_size=int(group_size), log_prob=log_prob, loss=loss,
+        policy_updates=int(policy_updates), microbatch_size=int(microbatch_size),
+        weight_by="tokens" if reduction == "token" else "trajectories", advantage=advantage,
+        gamma=float(gamma), eps=float(eps), kl=not (isinstance(kl_coef, (int, float)) and kl_coef == 0),
+        clip_grad=clip_grad, method=method,
+    )
