@@ -366,7 +366,7 @@ def reduce_metrics(metrics: Mapping[str, torch.Tensor], ctx: Optional[DistContex
     ``_min`` keys take the MIN, ``_max`` / ``abs_max`` keys the MAX, ``count`` the SUM,
     every other key the mean. Two collectives in all: one sum (means, sums and
     ``extra_sum``), one max (max keys and negated min keys).
-    Returns (reduced metrics, reduced extra_sum tensors, summed).
+    Returns (reduced metrics, the summed ``extra_sum`` tensors).
     """
     ctx = _current if ctx is None else ctx
     if not ctx.is_distributed:
