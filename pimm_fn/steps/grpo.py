@@ -139,8 +139,10 @@ def categorical_log_prob(policy: PolicyFn, shared, traj: dict) -> dict:
     """
     table = policy(traj["obs"]) if "obs" in traj else policy(shared)
     actions = traj["actions"]
-    logp = torch.take_along_dim(table, actions.unsqueeze(-1), dim=-1).squeeze(-1)
     entropy = -(table.exp() * table).sum(-1)
+    while table.dim() < actions.dim() + 1:  # a table shared by every trajectory
+        table = table.unsqueeze(0)
+    logp = torch.take_along_dim(table, actions.unsqueeze(-1), dim=-1).squeeze(-1)
     return {"logp": logp, "entropy": entropy.expand_as(logp)}
 
 
