@@ -1,0 +1,163 @@
+"""A compact point-cloud segmentation net: per-point MLPs with voxel-neighbourhood context.
+
+Each stage groups points into voxels of a growing stride (``grid_coord // stride``, per
+cloud), describes every point by its offset from its voxel's centroid (local geometry),
+runs a shared MLP, max-pools the features over the voxel and concatenates the pooled
+context back onto every point. The head sees every stage's features (U-Net-style skips),
+so each point knows its own features and its neighbourhoods at several scales.
+
+Everything stays at the point resolution: a voxel's pooled row lives in a table with
+one row per point (row = the voxel's rank among the sorted voxel keys), so every shape is
+the point count N. No data-dependent output size, no ``.item()``, no host branch: the
+net compiles with ``torch.compile(fullgraph=True)`` and a dynamic point dimension.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from ._common import classification_outputs, make_norm
+
+
+def batch_index(offset: torch.Tensor, num_points: int) -> torch.Tensor:
+    """The cloud id of every point, from Pointcept's ``offset`` (exclusive cumulative ends).
+
+    offset: [B] int64, e.g. [n0, n0+n1, ...]; num_points: N (may be a symbolic size).
+    """
+    points = torch.arange(num_points, device=offset.device, dtype=offset.dtype)
+    return torch.searchsorted(offset, points, right=True)
+
+
+def voxel_groups(grid_coord: torch.Tensor, batch: torch.Tensor, stride: int) -> torch.Tensor:
+    """Group points by (cloud, voxel of ``grid_coord // stride``): a group id in [0, N) per point.
+
+    Ids are the rank of the voxel among the sorted voxel keys, so a table with N rows
+    holds every group; rows past the number of voxels stay unused. The key is exact
+    (mixed radix over each axis's extent), not a hash, so distinct voxels never collide.
+    Sort + cumsum instead of ``torch.unique(return_inverse=True)`` keeps every size
+    equal to N, which compiles without data-dependent (unbacked) sizes.
+    """
+    g = torch.div(grid_coord, stride, rounding_mode="floor")
+    g = g - g.min(dim=0).values  # non-negative digits for the mixed-radix key
+    extent = g.max(dim=0).values + 1
+    key = ((batch * extent[0] + g[:, 0]) * extent[1] + g[:, 1]) * extent[2] + g[:, 2]
+    sorted_key, perm = torch.sort(key)
+    starts = torch.ones_like(sorted_key, dtype=torch.bool)
+    starts = torch.cat([starts[:1], sorted_key[1:] != sorted_key[:-1]])
+    rank_sorted = torch.cumsum(starts.to(torch.int64), dim=0) - 1
+    return torch.empty_like(rank_sorted).scatter(0, perm, rank_sorted)
+
+
+def group_mean(x: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Per-point mean of ``x`` [N, C] over its group (gathered back to [N, C])."""
+    n = x.shape[0]
+    # In-place adds into fresh tables: pure towards the inputs, and no copy of the zeros.
+    total = x.new_zeros(n, x.shape[1]).index_add_(0, group, x)
+    count = x.new_zeros(n).index_add_(0, group, torch.ones_like(x[:, 0]))
+    return (total / count.clamp_min(1.0).unsqueeze(1))[group]
+
+
+def group_max(x: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Per-point max of ``x`` [N, C] over its group (gathered back to [N, C])."""
+    index = group.unsqueeze(1).expand_as(x)
+    pooled = x.new_zeros(x.shape).scatter_reduce(0, index, x, reduce="amax", include_self=False)
+    return pooled[group]
+
+
+class _Dense(nn.Sequential):
+    """Linear -> norm -> ReLU over [N, C] rows."""
+
+    def __init__(self, cin: int, cout: int, norm: str):
+        super().__init__(nn.Linear(cin, cout, bias=(norm == "none")), make_norm(norm, cout), nn.ReLU(inplace=False))
+
+
+class _VoxelStage(nn.Module):
+    """One scale: local offsets -> shared MLP -> voxel max-pool -> fuse point and context."""
+
+    def __init__(self, cin: int, cout: int, stride: int, norm: str, pool: str):
+        super().__init__()
+        self.stride = stride
+        self.pool = group_max if pool == "max" else group_mean
+        self.point = _Dense(cin + 3, cout, norm)
+        self.fuse = _Dense(2 * cout, cout, norm)
+
+    def forward(self, h, coord, grid_coord, batch):
+        group = voxel_groups(grid_coord, batch, self.stride)
+        # Offset from the voxel centroid: the neighbourhood's shape as seen from this point.
+        local = coord - group_mean(coord, group)
+        h = self.point(torch.cat([h, local], dim=1))
+        return self.fuse(torch.cat([h, self.pool(h, group)], dim=1))
+
+
+class PointSegNet(nn.Module):
+    """Semantic segmentation of point batches: ``model(batch) -> {"seg_logits", ["loss", "acc"]}``.
+
+    Args:
+        in_channels: channels of ``batch["feat"]``.
+        num_classes: number of semantic classes.
+        width: channels of the first stage; stage i has ``width * widen[i]``.
+        strides: voxel strides (in ``grid_coord`` units) of the stages, finest first.
+        widen: per-stage width multipliers (default 1, 2, 2, ... for the given strides).
+        norm: "batch" (BatchNorm1d over points, as Pointcept nets), "layer" or "none".
+        pool: "max" (PointNet-style) or "mean" neighbourhood pooling.
+        class_weights: optional [num_classes] cross-entropy weights.
+        ignore_index: label of unlabelled points (Pointcept: -1).
+
+    Batch keys: coord [N,3] float, grid_coord [N,3] int64, feat [N,C] float, offset [B]
+    int64 (cumulative ends); segment [N] int64 for training / evaluation with labels.
+    Outputs: seg_logits [N, num_classes]; with ``segment``: loss (mean over labelled
+    points, 0 when none is) and acc (labelled-point accuracy, logged as a metric).
+    """
+
+    def __init__(self, in_channels: int, num_classes: int, width: int = 32,
+                 strides: Sequence[int] = (2, 4, 8), widen: Optional[Sequence[int]] = None,
+                 norm: str = "batch", pool: str = "max", class_weights: Optional[Sequence[float]] = None,
+                 ignore_index: int = -1):
+        super().__init__()
+        if pool not in ("max", "mean"):
+            raise ValueError(f"pool must be 'max' or 'mean', got {pool!r}")
+        strides = tuple(int(s) for s in strides)
+        if not strides or any(s < 1 for s in strides):
+            raise ValueError(f"strides must be a non-empty sequence of positive ints, got {strides}")
+        widen = tuple(widen) if widen is not None else (1,) + (2,) * (len(strides) - 1)
+        if len(widen) != len(strides):
+            raise ValueError(f"widen has {len(widen)} entries but strides has {len(strides)}; give one per stage")
+        self.in_channels, self.num_classes, self.ignore_index = in_channels, num_classes, ignore_index
+        self.stem = _Dense(in_channels + 3, width, norm)
+        stages, cin = [], width
+        for s, m in zip(strides, widen):
+            stages.append(_VoxelStage(cin, width * m, s, norm, pool))
+            cin = width * m
+        self.stages = nn.ModuleList(stages)
+        skip = width + sum(width * m for m in widen)
+        self.head = nn.Sequential(_Dense(skip, 2 * width, norm), nn.Linear(2 * width, num_classes))
+        if class_weights is not None:
+            w = torch.as_tensor(class_weights, dtype=torch.float32)
+            if w.shape != (num_classes,):
+                raise ValueError(f"class_weights needs {num_classes} entries, got shape {tuple(w.shape)}")
+            self.register_buffer("class_weights", w)
+        else:
+            self.class_weights = None
+
+    def features(self, batch: dict) -> torch.Tensor:
+        """Per-point features [N, C] before the classifier (shared with the policies)."""
+        coord, grid_coord, feat = batch["coord"], batch["grid_coord"], batch["feat"]
+        if feat.shape[1] != self.in_channels:
+            raise ValueError(f"batch['feat'] has {feat.shape[1]} channels, PointSegNet was built with "
+                             f"in_channels={self.in_channels}")
+        points = batch_index(batch["offset"], coord.shape[0])
+        # Coordinates centred per cloud: translation-invariant, yet the stem sees layout.
+        centred = coord - group_mean(coord, points)
+        h = self.stem(torch.cat([feat, centred], dim=1))
+        skips = [h]
+        for stage in self.stages:
+            h = stage(h, coord, grid_coord, points)
+            skips.append(h)
+        return self.head[0](torch.cat(skips, dim=1))
+
+    def forward(self, batch: dict) -> dict:
+        logits = self.head[1](self.features(batch))
+        return classification_outputs(logits, batch, "segment", "seg_logits",
+                                      ignore_index=self.ignore_index, weight=self.class_weights)
