@@ -117,7 +117,7 @@ def test_seg_net_ignores_label_minus_one_and_weights_classes():
     valid = seg != -1
     acc = (out["seg_logits"].argmax(1)[valid] == seg[valid]).float().mean()
     torch.testing.assert_close(out["acc"], acc)
-    # Changing the logits' targets at ignored points changes nothing.
+    # A batch with every point ignored gives a finite zero loss.
     out_all_ignored = net({**batch, "segment": torch.full_like(seg, -1)})
     assert out_all_ignored["loss"].item() == 0.0  # not NaN: an unlabelled crop cannot poison a run
 
