@@ -462,11 +462,16 @@ class _Run:
                 t1 = time.perf_counter()
                 with torch.profiler.record_function("step") if tracing else _NULL:
                     new, metrics = self.step_fn(self.state, batch)
-                n = src.samples_in(batch)
+                n = src.samples_in(batch)  # this rank's samples (the event's batch_size)
+                if "samples" in metrics:
+                    # A data-parallel step counts the real samples of all ranks (per-rank
+                    # batches may differ); reading it is one host sync, already paid by the
+                    # step's collectives.
+                    seen = int(metrics["samples"])
+                else:
+                    seen = n * src.world_size
                 cursor = self.state.cursor
-                new = new.replace(
-                    cursor=cursor.replace(position=pos + 1, samples_seen=cursor.samples_seen + n * src.world_size)
-                )
+                new = new.replace(cursor=cursor.replace(position=pos + 1, samples_seen=cursor.samples_seen + seen))
                 # One assignment: an interrupt lands either before the step or after it, never between.
                 self.state, self.step = new, self.step + 1
                 t2 = time.perf_counter()

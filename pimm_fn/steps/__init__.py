@@ -1,4 +1,5 @@
 """Pure step functions built from the optim / amp / rl pieces."""
+from .grpo import grpo
 from .supervised import supervised
 
-__all__ = ["supervised"]
+__all__ = ["grpo", "supervised"]

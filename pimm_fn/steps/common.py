@@ -91,3 +91,19 @@ def weighted_sum(trees: Sequence[Any], weights: Sequence[torch.Tensor]):
     for tree, w in zip(trees[1:], weights[1:]):
         total = tree_map(lambda a, t: a + t * w, total, tree)
     return total
+
+
+def eval_forward(state, batch):
+    """``model(batch)`` with the state's params in eval mode (BatchNorm uses running stats).
+
+    The model object is static structure shared with the step; its train/eval flag is
+    the one thing this flips, and it is restored before returning.
+    """
+    model = state.model
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return functional_call(model, (state.params, state.buffers), (batch,))
+    finally:
+        model.train(was_training)
