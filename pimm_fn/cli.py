@@ -50,7 +50,10 @@ def _settings(module, overrides: Sequence[str]) -> dict:
     try:
         return apply_overrides(module.SETTINGS, overrides)
     except SettingsError as err:
-        raise SystemExit(f"pimm-fn: {err}") from None
+        msg = str(err)
+        if "valid keys" not in msg:  # a wrong type names its key only; list them all, as for unknown keys
+            msg += "; valid keys: " + ", ".join(f"{k}={v!r}" for k, v in sorted(module.SETTINGS.items()))
+        raise SystemExit(f"pimm-fn: {msg}") from None
 
 
 def _standard_callbacks(run: Run, save: Path, is_main: bool, progress: bool):
