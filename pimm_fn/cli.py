@@ -68,7 +68,7 @@ def _standard_callbacks(run: Run, save: Path, is_main: bool, progress: bool):
         cbs.append(Evaluate(eval_fn, [None], every_epochs=run.eval_every_epochs, name="val", at_end=True))
     record = None
     if is_main:
-        record = MetricsRecord(save / "metrics.jsonl")
+        record = MetricsRecord(save / "metrics.jsonl", every_steps=5)
         cbs += [TextLog(save), TensorBoard(save / "tensorboard", sync_every=50), record]
         if progress:
             cbs.append(ProgressBar(metrics=("loss",)))

@@ -21,12 +21,21 @@ from .state import TrainState
 StepCore = Callable[[TrainState, Any], tuple]
 
 
+def _rank_seed(seed: int) -> int:
+    # Under data parallelism every rank holds the same key; folding the rank in gives each
+    # rank its own dropout masks / samples while keeping them a pure function of the state.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank = torch.distributed.get_rank()
+        seed = (seed + rank * 0x9E3779B97F4A7C15) & 0x7FFFFFFFFFFFFFFF
+    return seed
+
+
 def _run_core(core: StepCore, state: TrainState, batch):
     if not isinstance(state, TrainState):
         raise TypeError(f"a step takes a TrainState as its first argument, got {type(state).__name__}")
     # Randomness inside a step (dropout, sampling) comes from torch's generator, seeded
     # from the state's key: the same state and batch always give the same result.
-    torch.manual_seed(state.rng.step_seed())
+    torch.manual_seed(_rank_seed(state.rng.step_seed()))
     new_state, metrics = core(state.replace(rng=None, cursor=None), batch)
     return new_state.replace(rng=state.rng.next(), cursor=state.cursor), metrics
 
@@ -168,6 +177,6 @@ def explain_step(step_fn, state: TrainState, batch):
     """
     step = as_step(step_fn)
     inner = state.replace(rng=None, cursor=None)
-    torch.manual_seed(state.rng.step_seed())
+    torch.manual_seed(_rank_seed(state.rng.step_seed()))
     with torch._dynamo.config.patch(trace_autograd_ops=True):
         return torch._dynamo.explain(step.core)(inner, batch)
