@@ -239,3 +239,28 @@ def test_metrics_are_zero_dim_tensors():
     _, m = supervised(clip_grad=1.0)(state, make_batches(1)[0])
     for k in ("loss", "acc", "lr", "grad_norm", "skipped", "loss_scale"):
         assert isinstance(m[k], torch.Tensor) and m[k].dim() == 0, k
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_autocast_steps_follow_the_float32_step(dtype):
+    """Under CPU autocast the step trains like float32 (low-precision forward, fp32 params)."""
+    torch.manual_seed(5)
+    model = BNNet()
+    batches = make_batches(20, seed=5)
+    s32 = slow = TrainState.create(model, optim.adamw(lr=1e-2))
+    slow = TrainState.create(model, optim.adamw(lr=1e-2), loss_scale=(dtype == "float16"))
+    step32, steplow = supervised(), supervised(autocast=dtype)
+    for b in batches:
+        s32, m32 = step32(s32, b)
+        slow, mlow = steplow(slow, b)
+        assert float(mlow["skipped"]) == 0.0
+    assert all(v.dtype == torch.float32 for v in slow.params.values())
+    assert abs(float(mlow["loss"]) - float(m32["loss"])) < 0.1
+    drift = max((slow.params[k] - s32.params[k]).abs().max().item() for k in s32.params)
+    assert drift < 0.05, drift
+
+
+def test_unknown_autocast_dtype_is_a_clear_error():
+    state = TrainState.create(BNNet(), optim.sgd(lr=0.1))
+    with pytest.raises(ValueError, match="unknown autocast dtype 'int8'"):
+        supervised(autocast="int8")(state, make_batches(1)[0])
