@@ -1,6 +1,6 @@
 """Variable point counts under ``torch.compile``: mark the point dim dynamic, or pad to buckets.
 
-Finding (``python -m pimm_fn.data._measure_dynamic``, torch 2.13 CPU: a compiled
+Finding (``python benchmarks/dynamic_shapes.py``, torch 2.13 CPU: a compiled
 per-point MLP + loss over 12 point batches of 4 synthetic clouds, 12 distinct totals
 2,115-3,397 points, buckets 2048/2560/3072/4096). Compile counts:
 

@@ -1,6 +1,6 @@
 """Measure compiles and step time for variable point counts: auto / mark_dynamic / buckets.
 
-    python -m pimm_fn.data._measure_dynamic
+    python benchmarks/dynamic_shapes.py
 
 Not a test: prints a table (the finding is recorded in :mod:`pimm_fn.data.dynamic`).
 """
@@ -10,10 +10,10 @@ import time
 
 import torch
 
-from .collate import point_collate
-from .datasets import SyntheticScenes
-from .dynamic import mark_point_dims_dynamic, pad_points_to_bucket
-from .transforms import assemble_feat
+from pimm_fn.data.collate import point_collate
+from pimm_fn.data.datasets import SyntheticScenes
+from pimm_fn.data.dynamic import mark_point_dims_dynamic, pad_points_to_bucket
+from pimm_fn.data.transforms import assemble_feat
 
 BUCKETS = (2048, 2560, 3072, 4096)
 
