@@ -1,0 +1,154 @@
+"""Two point-cloud data sets mixed by ratios: real LiDAR blocks + synthetic scenes, one shared label space.
+
+Data: :class:`pimm_fn.data.LidarBlocks` (real ASPRS tile, ground / vegetation / building,
+10 x 10 ft blocks, 20 train / 4 val) and :class:`pimm_fn.data.SyntheticScenes` (primitive
+shapes on a 10 x 10 ground plane: ground / box / sphere / cylinder), mixed batch by
+batch with :class:`pimm_fn.data.MultiDatasetLoader`: each epoch repeats
+``lidar_ratio`` LiDAR batches then ``synthetic_ratio`` synthetic batches (the LiDAR set
+defines the epoch; the synthetic loader wraps around), every batch from one data set, as
+the seed's multi-dataset loader does.
+
+Shared label space (the union, with the one class both sets have merged):
+    0 ground      <- LiDAR ground, synthetic ground
+    1 vegetation  <- LiDAR
+    2 building    <- LiDAR
+    3 box, 4 sphere, 5 cylinder <- synthetic
+Both sets are in comparable units (10 ft blocks, 10-unit scenes) and the features are the
+coordinates alone (the LiDAR intensity has no synthetic counterpart, and the synthetic
+colour is a palette of the class, which would give the answer away).
+Model: one :class:`pimm_fn.models.PointSegNet` over the 6 classes. Validation: the mIoU of
+each data set over its own classes (predicting a synthetic class on a LiDAR point counts
+as an error), ``lidar_mIoU`` and ``synthetic_mIoU``, and their mean ``mIoU``.
+
+    pimm-fn train multi_dataset_seg [--set lidar_ratio=2 --set synthetic_ratio=1 ...]
+"""
+from __future__ import annotations
+
+import torch
+
+from pimm_fn import optim, schedules
+from pimm_fn.compile import compile_step
+from pimm_fn.data import (
+    LidarBlocks, MultiDatasetLoader, SyntheticScenes, build_eval_loader, build_train_loader, transforms as T,
+)
+from pimm_fn.distributed import data_parallel
+from pimm_fn.experiment import Run
+from pimm_fn.metrics import intersection_and_union
+from pimm_fn.models import PointSegNet
+from pimm_fn.state import TrainState
+from pimm_fn.steps.common import eval_forward
+
+SETTINGS = {
+    "epochs": 30,
+    "batch_size": 4,
+    "lidar_ratio": 1,         # LiDAR batches per cycle
+    "synthetic_ratio": 1,     # synthetic batches per cycle
+    "synthetic_scenes": 40,   # training scenes (validation: 8 more, another seed)
+    "lr": 0.005,
+    "weight_decay": 0.01,
+    "pct_start": 0.1,
+    "clip_grad": 1.0,
+    "grid_size": 0.25,
+    "width": 32,
+    "num_workers": 0,
+    "compile": True,
+    "seed": 0,
+}
+
+CLASS_NAMES = ("ground", "vegetation", "building", "box", "sphere", "cylinder")
+NUM_CLASSES = len(CLASS_NAMES)
+LIDAR_TO_SHARED = torch.tensor([0, 1, 2])        # LidarBlocks: ground, vegetation, building
+SYNTHETIC_TO_SHARED = torch.tensor([0, 3, 4, 5])  # SyntheticScenes: ground, box, sphere, cylinder
+LIDAR_CLASSES = [0, 1, 2]
+SYNTHETIC_CLASSES = [0, 3, 4, 5]
+_INPUT_KEYS = ("coord", "grid_coord", "feat", "offset")
+
+
+def to_shared(table: torch.Tensor):
+    """Map a data set's ``segment`` into the shared label space (-1 stays ignored)."""
+
+    def t(sample, g):
+        seg = torch.as_tensor(sample["segment"])
+        return {**sample, "segment": torch.where(seg >= 0, table[seg.clamp_min(0)], seg)}
+
+    return t
+
+
+def keep_keys(*keys):
+    """Drop every key but ``keys``, so batches of both data sets have the same structure."""
+
+    def t(sample, g):
+        return {k: v for k, v in sample.items() if k in keys}
+
+    return t
+
+
+def transform(table: torch.Tensor, grid_size: float, mode: str):
+    steps = [T.random_rotate(axis="z"), T.random_scale((0.9, 1.1)), T.random_flip(0.5),
+             T.random_jitter(0.01, 0.05)] if mode == "train" else []
+    keys = ("coord", "grid_coord", "feat", "segment", "name") + (("inverse", "origin_segment") if mode == "test" else ())
+    return T.compose(to_shared(table), *steps, T.grid_sample(grid_size, mode=mode), T.center_shift(apply_z=False),
+                     T.assemble_feat(("coord",)), keep_keys(*keys))
+
+
+def miou(state: TrainState, loader, classes) -> float:
+    """mIoU over ``classes`` (shared ids) on every original point of a validation set."""
+    inter = union = 0
+    for batch in loader.iter_epoch(0, 0):
+        out = eval_forward(state, {k: batch[k] for k in _INPUT_KEYS})
+        pred = out["seg_logits"].argmax(-1)[batch["inverse"]]
+        i, u, _ = intersection_and_union(pred, batch["origin_segment"], NUM_CLASSES)
+        inter, union = inter + i, union + u
+    iou = inter.double() / (union.double() + 1e-10)
+    return float(iou[classes].mean())
+
+
+def evaluate(state: TrainState, lidar_val, synthetic_val) -> dict:
+    lidar = miou(state, lidar_val, LIDAR_CLASSES)
+    synthetic = miou(state, synthetic_val, SYNTHETIC_CLASSES)
+    return {"mIoU": (lidar + synthetic) / 2, "lidar_mIoU": lidar, "synthetic_mIoU": synthetic}
+
+
+def render(state: TrainState, loader, png) -> None:
+    from pimm_fn.report import render_point_cloud
+
+    batch = next(iter(loader.iter_epoch(0, 0)))
+    pred = eval_forward(state, {k: batch[k] for k in _INPUT_KEYS})["seg_logits"].argmax(-1)
+    render_point_cloud(batch["coord"], pred, batch["segment"], png, CLASS_NAMES,
+                       title=f"LiDAR validation block (shared labels), step {int(state.step)}")
+
+
+def build(settings: dict, ctx) -> Run:
+    s = dict(settings)
+    if ctx.quick:
+        s.update(epochs=2, synthetic_scenes=8)
+    torch.manual_seed(s["seed"])
+    # One train loader per data set, each with its own label map (seeds seed, seed + 1, as
+    # build_multi_loader gives them), mixed batch by batch by the multi-dataset loader.
+    datasets = [(LidarBlocks("train"), LIDAR_TO_SHARED),
+                (SyntheticScenes(s["synthetic_scenes"], seed=s["seed"], name="synthetic"), SYNTHETIC_TO_SHARED)]
+    loaders = [build_train_loader(d, batch_size=s["batch_size"], seed=s["seed"] + i, rank=ctx.rank,
+                                  world_size=ctx.world_size, num_workers=s["num_workers"],
+                                  transform=transform(table, s["grid_size"], "train"))
+               for i, (d, table) in enumerate(datasets)]
+    loader = MultiDatasetLoader(loaders, [s["lidar_ratio"], s["synthetic_ratio"]])
+    lidar_val = build_eval_loader(LidarBlocks("val"), batch_size=1,
+                                  transform=transform(LIDAR_TO_SHARED, s["grid_size"], "test"))
+    synthetic_val = build_eval_loader(SyntheticScenes(8 if not ctx.quick else 2, seed=s["seed"] + 1000,
+                                                      name="synthetic_val"),
+                                      batch_size=1, transform=transform(SYNTHETIC_TO_SHARED, s["grid_size"], "test"))
+    model = PointSegNet(in_channels=3, num_classes=NUM_CLASSES, width=s["width"])
+    iters = 2 if ctx.quick else len(loader)
+    total = iters * s["epochs"]
+    tx = optim.adamw(lr=schedules.one_cycle(total, s["lr"], pct_start=s["pct_start"], div_factor=10,
+                                            final_div_factor=1000),
+                     weight_decay=s["weight_decay"],
+                     b1=schedules.one_cycle_momentum(total, pct_start=s["pct_start"]))
+    state = TrainState.create(model, tx, seed=s["seed"])
+    step = data_parallel(clip_grad=s["clip_grad"])
+    if s["compile"]:
+        step = compile_step(step)
+    return Run(state=state, loader=loader, step=step, epochs=s["epochs"],
+               evaluate=lambda st: evaluate(st, lidar_val, synthetic_val), best_metric="mIoU", best_mode="max",
+               render=lambda st, png: render(st, lidar_val, png), iters_per_epoch=2 if ctx.quick else None,
+               eval_every_epochs=max(1, s["epochs"] // 10))
