@@ -5,8 +5,9 @@ every labelled voxel a point, cut into 64 x 64 voxel xy columns subsampled to <=
 points: 29 training and 7 validation blocks (:class:`pimm_fn.data.FrogTissueBlocks`;
 ``python -m pimm_fn.data.fetch frog`` fetches it once). Labels 1..15 are the frequent
 tissues, the ten rare ones share class 15. A voxel's label is all there is: the features
-are its (centred, scaled) coordinates, so the net must recognise tissue from the shape
-and position of its neighbourhood.
+are its block-centred, scaled coordinates and its position in the whole frog (in [0, 1]
+per axis), so the net recognises tissue from where it is and from the shape of its
+neighbourhood at several scales (strides up to 32 voxels).
 Model: :class:`pimm_fn.models.PointSegNet`. Training: the supervised step (compiled by
 default), AdamW with OneCycle, gradient clipping. Validation: mIoU over every original
 point of the validation blocks, the seed's way (all 16 classes, so classes absent from
@@ -39,6 +40,7 @@ SETTINGS = {
     "grid_size": 2.0,         # voxel units: ~1-6k points per block
     "coord_scale": 1 / 32,    # coordinates -> about [-1, 1] per block (features only)
     "width": 32,
+    "class_weight_power": 0.5,  # cross-entropy weights (1 / class frequency) ** power; 0 = unweighted
     "num_workers": 0,
     "compile": True,
     "seed": 0,
@@ -58,11 +60,22 @@ def scale_coord(factor: float):
     return t
 
 
+# extent of the labelled volume (x, y in voxels, z in spacing units)
+FROG_EXTENT = torch.tensor([500.0, 470.0, 136 * 1.5])
+
+
+def add_position(sample, g):
+    """``position`` [N, 3]: where a point lies in the frog, in [0, 1] per axis (taken before
+    any augmentation, so it locates the anatomy: tissues are nested volumes, and inside a
+    solid volume the local geometry alone says little)."""
+    return {**sample, "position": sample["coord"] / FROG_EXTENT}
+
+
 def transform(s: dict, mode: str):
-    """Augment (training), voxelise, centre, scale; the features are the coordinates."""
+    """Augment (training), voxelise, centre, scale; features: local coordinates + position."""
     steps = [T.random_rotate(axis="z"), T.random_scale((0.9, 1.1)), T.random_flip(0.5)] if mode == "train" else []
-    return T.compose(*steps, T.grid_sample(s["grid_size"], mode=mode), T.center_shift(apply_z=False),
-                     scale_coord(s["coord_scale"]), T.assemble_feat(("coord",)))
+    return T.compose(add_position, *steps, T.grid_sample(s["grid_size"], mode=mode), T.center_shift(apply_z=False),
+                     scale_coord(s["coord_scale"]), T.assemble_feat(("coord", "position")))
 
 
 def evaluate(state: TrainState, loader) -> dict:
@@ -113,7 +126,15 @@ def build(settings: dict, ctx) -> Run:
     if ctx.quick:
         val_set = torch.utils.data.Subset(val_set, range(2))
     val_loader = build_eval_loader(val_set, batch_size=1, transform=transform(s, "test"))
-    model = PointSegNet(in_channels=3, num_classes=NUM_CLASSES, width=s["width"])
+    weights = None
+    if s["class_weight_power"]:
+        # class 12 alone is ~60% of the training voxels: weight the loss by inverse frequency
+        counts = sum(torch.bincount(b["segment"], minlength=NUM_CLASSES) for b in FrogTissueBlocks("train"))
+        freq = counts.double() / counts.sum()
+        w = freq.clamp_min(1e-4) ** -s["class_weight_power"]
+        weights = (w / (w * freq).sum()).float().tolist()  # mean weight over voxels = 1
+    model = PointSegNet(in_channels=6, num_classes=NUM_CLASSES, width=s["width"], strides=(2, 4, 8, 16),
+                        class_weights=weights)
     total = len(train_loader) * s["epochs"]
     tx = optim.adamw(lr=schedules.one_cycle(total, s["lr"], pct_start=s["pct_start"], div_factor=10,
                                             final_div_factor=1000),
