@@ -1,7 +1,7 @@
 """Compiled pimm_fn steps vs the seed-style eager trainer, interleaved, in one run.
 
-    python benchmarks/run_steps.py            # full (~15 min on 2 cores)
-    python benchmarks/run_steps.py --quick    # fewer rounds / steps, mlp cache probe only
+    python benchmarks/run_steps.py --threads 1            # full
+    python benchmarks/run_steps.py --threads 1 --quick    # fewer rounds / steps, mlp cache probe only
 
 For each model (mlp, pointseg on variable-size batches, cnn) every "way" trains from the
 same initial weights on the same batches. Ways run round-robin: each round runs every way
@@ -10,7 +10,9 @@ all ways alike; each way's figure is the median (and min) step time over all rou
 quoted as a ratio to the seed-style eager trainer (``seed_eager``: nn.Module +
 AdamW(foreach=True) + clip_grad_norm_ + OneCycleLR, the seed's run_step).
 
-Also: the machine's bound (forward+backward FLOPs from FlopCounterMode over the measured
+Models: pimm_fn.models' MLPClassifier, PointSegNet (variable-size point batches, every
+total above 4096) and ImageClassifier (see benchmarks/workloads.py).
+Also: fit's per-step overhead over a bare loop (mlp), the machine's bound (forward+backward FLOPs from FlopCounterMode over the measured
 peak float32 GEMM rate), per-way peak memory, time per point on variable- vs fixed-size
 point batches, and compile time cold vs warm (two fresh processes, one inductor cache).
 Writes benchmarks/results/run_steps.json and run_steps.png.
@@ -132,14 +134,70 @@ def interleave(ways, batches, rounds, steps, start):
 
 
 def memory_pass(ways, batches, start):
-    out = {}
-    for name, w in ways.items():
+    """Peak extra memory of one (untimed) step per way: CUDA peak, or torch's CPU allocator
+    accounting (profiler memory events) on CPU; see pimm_fn.bench.PeakMemory."""
+    out, method = {}, None
+    for i, (name, w) in enumerate(ways.items()):
         mem = PeakMemory(torch.device("cpu"))
         with mem:
-            for i in range(2):
-                w.run(batches[(start + i) % len(batches)])
-        out[name] = mem.peak_bytes
-    return out, mem.method
+            w.run(batches[(start + i) % len(batches)])
+        out[name], method = mem.peak_bytes, mem.method
+    return out, method
+
+
+FIT_WAYS = ("bare_loop", "fit_no_callbacks", "fit_callbacks")
+
+
+def fit_overhead(rounds: int, steps_per_epoch: int = 50) -> dict:
+    """fit's per-step cost over a bare Python loop, on the mlp's compiled step.
+
+    Three ways, each with its own state, over the same list of ``steps_per_epoch`` batches:
+    ``bare_loop`` (``for b in batches: state, m = step(state, b)``), ``fit`` with no
+    callbacks, and ``fit`` with ProgressBar (to /dev/null) + TensorBoard(every_steps=50)
+    + Checkpoint(every_epochs=1), one epoch per ``fit`` call (so each round includes one
+    TensorBoard write, one checkpoint save and the bars' setup/teardown). Rounds rotate
+    the order; the figure is the median over rounds of (epoch wall time / steps).
+    """
+    import tempfile
+
+    from pimm_fn.callbacks import Checkpoint, ProgressBar, TensorBoard
+    from pimm_fn.fit import fit
+
+    wl = W.mlp()
+    step = compile_step(wl.step)
+    loader = [wl.batches[i % len(wl.batches)] for i in range(steps_per_epoch)]
+    tmp = tempfile.TemporaryDirectory(prefix="pimm_fn_fit_overhead_")
+    devnull = open(os.devnull, "w")
+    cbs = [ProgressBar(file=devnull), TensorBoard(os.path.join(tmp.name, "tb"), every_steps=50),
+           Checkpoint(os.path.join(tmp.name, "ckpt"), every_epochs=1)]
+    states = {n: wl.state for n in FIT_WAYS}
+
+    def bare(state):
+        for b in loader:
+            state, _ = step(state, b)
+        return state
+
+    def run_fit(state, callbacks):
+        return fit(state, loader, step, epochs=state.cursor.epoch + 1, callbacks=callbacks).state
+
+    runs = {"bare_loop": bare, "fit_no_callbacks": lambda s: run_fit(s, ()),
+            "fit_callbacks": lambda s: run_fit(s, cbs)}
+    for n in FIT_WAYS:  # warm: compile once, open the TensorBoard writer, make the checkpoint dir
+        states[n] = runs[n](states[n])
+    per_step = {n: [] for n in FIT_WAYS}
+    for r in range(rounds):
+        for n in FIT_WAYS[r % 3:] + FIT_WAYS[: r % 3]:
+            t0 = time.perf_counter()
+            states[n] = runs[n](states[n])
+            per_step[n].append((time.perf_counter() - t0) * 1e3 / steps_per_epoch)
+    devnull.close()
+    tmp.cleanup()
+    med = {n: statistics.median(v) for n, v in per_step.items()}
+    return {"steps_per_epoch": steps_per_epoch, "rounds": rounds, "per_step_ms": per_step, "median_ms": med,
+            "overhead_fit_callbacks": med["fit_callbacks"] / med["bare_loop"] - 1,
+            "overhead_fit_no_callbacks": med["fit_no_callbacks"] / med["bare_loop"] - 1,
+            "compile_count": step.compile_count,
+            "callbacks": "ProgressBar(file=/dev/null) + TensorBoard(every_steps=50) + Checkpoint(every_epochs=1)"}
 
 
 def summarize(ways):
@@ -176,7 +234,7 @@ def bench_model(name, args, gemm):
             interleave({wn: all_ways[wn]}, bs, 1, args.steps, pos)
         pos += args.steps
     timed_s = time.perf_counter() - t0
-    mem, mem_method = memory_pass(all_ways, batches, pos)
+    mem, mem_method = memory_pass(ways, batches, pos)
     if extra:  # the fixed way on its own batches
         m2, _ = memory_pass(extra, list(fixed.batches), pos)
         mem.update(m2)
@@ -190,7 +248,7 @@ def bench_model(name, args, gemm):
         s["min_time_ratio_to_seed"] = s["min_ms"] / base["min_ms"]
         s["x_of_bound"] = s["median_ms"] / bound_ms
         s["peak_memory_mib"] = None if mem.get(n) is None else mem[n] / 2**20
-    res = {"model": name, "notes": wl.notes, "samples_per_step": batch_size(batches[0])[0],
+    res = {"model": name, "notes": wl.notes, "load_avg_after": os.getloadavg(), "samples_per_step": batch_size(batches[0])[0],
            "graph_break_count": gb_count, "break_reasons": gb_reasons,
            "flops_per_step": flops, "bound_ms": bound_ms, "ways": summary, "timed_seconds": timed_s,
            "memory_method": mem_method}
@@ -218,6 +276,15 @@ def table(results):
             c = r["compile_cache"]
             lines.append(f"  compile (fresh process): cold {c['cold_s']:.1f} s, warm cache {c['warm_s']:.1f} s,"
                          f" warm/cold {c['warm_over_cold']:.2f}")
+    return "\n".join(lines)
+
+
+def fit_table(f):
+    m = f["median_ms"]
+    lines = [f"fit overhead (mlp, compiled step, {f['steps_per_epoch']}-step epochs, {f['rounds']} rounds interleaved; "
+             f"median ms/step)", f"  bare loop {m['bare_loop']:.2f}, fit {m['fit_no_callbacks']:.2f} "
+             f"({100 * f['overhead_fit_no_callbacks']:+.1f}%), fit + {f['callbacks']} {m['fit_callbacks']:.2f} "
+             f"({100 * f['overhead_fit_callbacks']:+.1f}%)"]
     return "\n".join(lines)
 
 
@@ -252,12 +319,16 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="steps per way per round")
     ap.add_argument("--cache-probe", default=None, help="models whose compile is timed cold/warm in fresh processes "
                                                         "(comma list, 'none'); default all (quick: mlp)")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads; 1 on a shared box (2 OpenMP threads on 2 busy cores wait at every barrier)")
+    ap.add_argument("--fit-rounds", type=int, default=None, help="rounds of the fit-overhead comparison "
+                                                                  "(50-step epochs; default 6, quick 4; 0 skips)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "run_steps"))
     args = ap.parse_args(argv)
     os.chdir(os.path.dirname(HERE))  # the cache probe imports benchmarks.workloads from the repo root
     args.rounds = args.rounds or (3 if args.quick else 5)
     args.steps = args.steps or (3 if args.quick else 5)
+    args.fit_rounds = (4 if args.quick else 6) if args.fit_rounds is None else args.fit_rounds
     if args.threads:
         torch.set_num_threads(args.threads)
     models = [m for m in args.models.split(",") if m]
@@ -285,22 +356,28 @@ def main(argv=None):
             for s in r["ways"].values():
                 s["x_of_bound"] *= gemm2["best_gflops"] / gemm["best_gflops"]
         gemm = gemm2
+    fit_res = None
+    if args.fit_rounds:
+        print("[fit overhead] mlp compiled step: bare loop vs fit vs fit + callbacks, interleaved...", flush=True)
+        fit_res = fit_overhead(args.fit_rounds)
+        print(fit_table(fit_res), flush=True)
     for r in results:
         if r["model"] in probe:
             print(f"[{r['model']}] compile cache probe (two fresh processes)...", flush=True)
             r["compile_cache"] = measure_compile_cache(f"benchmarks.workloads:{r['model']}")
     out = {"command": "python benchmarks/run_steps.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": machine, "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-           "gemm": gemm, "rounds": args.rounds, "steps_per_round": args.steps, "results": results,
+           "gemm": gemm, "rounds": args.rounds, "steps_per_round": args.steps, "threads": torch.get_num_threads(),
+           "results": results, "fit_overhead": fit_res,
            "wall_seconds": time.perf_counter() - t_start}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump(out, f, indent=2, default=str)
-    text = table(results)
+    text = table(results) + ("\n\n" + fit_table(fit_res) if fit_res else "")
     print(text)
     with open(args.out + ".txt", "w") as f:
         f.write(f"{out['command']}\n{machine['cpu']}, {machine['cpu_count']} cores, torch {machine['torch']}, "
-                f"load avg before {load_before}\npeak fp32 GEMM {gemm['best_gflops']:.0f} GFLOP/s\n{text}\n")
+                f"{torch.get_num_threads()} torch thread(s), load avg before {load_before}, after {out['load_avg_after']}\npeak fp32 GEMM {gemm['best_gflops']:.0f} GFLOP/s\n{text}\n")
     chart(results, args.out + ".png")
     print(f"wrote {args.out}.json/.txt/.png in {out['wall_seconds']:.0f} s")
 

@@ -7,11 +7,18 @@ function over :class:`~pimm_fn.state.TrainState`, or a ready
 fresh processes sharing one ``TORCHINDUCTOR_CACHE_DIR`` (cold, then warm from inductor's
 FX-graph and AOTAutograd caches). :func:`bench_main` is the ``pimm-fn bench`` command.
 
-Memory: on CUDA the peak is ``torch.cuda.max_memory_allocated`` over the timed steps,
-minus what was allocated before them. On CPU it is the peak resident set (``VmHWM`` of
-``/proc/self/status``, reset through ``/proc/self/clear_refs``) minus the resident set
-before the timed steps: the extra host memory the steps needed (activations, gradients,
-new state, allocator slack), not tensors alone; ``memory_method`` says which was used.
+Memory: on CUDA the peak is ``torch.cuda.max_memory_allocated`` over a step, minus what
+was allocated before it. On CPU torch keeps no allocator statistics (torch 2.13 has no
+``torch.cpu.memory_allocated``), and the resident set cannot see a step in a warm process
+(glibc keeps freed blocks mapped, so the RSS before the step already holds them). So the
+CPU figure is accounting of torch's CPU allocator: every tensor allocation and free that
+the profiler's memory events report (``profile_memory=True``; inductor's kernels allocate
+through the same allocator), summed in time order. The profiler does not report frees of blocks allocated before it
+started, so the peak of that running sum is the peak of the memory allocated during the
+step and still live (activations, gradients, a functional step's new state while the
+old one is alive), on top of what was live before. Allocator slack is not included;
+``memory_method`` says which method was used. The peak is measured on an extra, untimed
+step (the profiler would slow a timed one).
 """
 from __future__ import annotations
 
@@ -27,7 +34,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -215,18 +221,20 @@ def _hwm_bytes() -> Optional[int]:
 class PeakMemory:
     """Context manager: the peak extra memory of its body, in ``.peak_bytes`` / ``.method``.
 
-    CUDA: ``max_memory_allocated`` minus the allocation before. CPU: peak RSS minus RSS
-    before, from ``VmHWM`` after resetting it (``clear_refs``); where that reset is not
-    allowed, a thread samples the RSS every millisecond (it can miss short spikes).
+    CUDA: ``max_memory_allocated`` minus the allocation before. CPU: the peak of the running
+    sum of torch's CPU allocations minus frees, from the profiler's memory events: the
+    peak of the memory allocated inside the body and still live (the profiler does not
+    see frees of blocks allocated before it started). Where the profiler cannot record memory, peak RSS (``VmHWM``
+    after a ``clear_refs`` reset) minus RSS before, which misses memory glibc kept mapped.
+    The profiler slows the body: do not time it.
     """
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.peak_bytes: Optional[int] = None
         self.method = "unavailable"
-        self._stop = threading.Event()
-        self._sampled = 0
-        self._thread = None
+        self._prof = None
+        self._hwm = False
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -235,41 +243,50 @@ class PeakMemory:
             self._base = torch.cuda.memory_allocated(self.device)
             self.method = "cuda max_memory_allocated - allocated before"
             return self
-        self._base = _rss_bytes()
-        if self._base is None:
-            return self
         try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current RSS
-            self.method = "cpu peak RSS (VmHWM) - RSS before"
-            self._hwm = True
-        except OSError:
-            self._hwm = False
-            self.method = "cpu sampled RSS (1 ms) - RSS before"
-            self._sampled = self._base
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
+            from torch.profiler import ProfilerActivity, profile
 
-    def _sample(self):
-        while not self._stop.wait(0.001):
-            rss = _rss_bytes()
-            if rss is not None and rss > self._sampled:
-                self._sampled = rss
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+            self.method = "cpu: torch allocator accounting (profiler memory events), peak bytes allocated in the step"
+            return self
+        except Exception:  # noqa: BLE001 - no profiler here: fall back to the resident set
+            self._prof = None
+        self._base = _rss_bytes()
+        if self._base is not None:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # resets VmHWM to the current RSS
+                self._hwm = True
+                self.method = "cpu peak RSS (VmHWM) - RSS before (misses memory glibc kept mapped)"
+            except OSError:
+                pass
+        return self
 
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device) - self._base)
-        elif self._base is not None:
-            if self._hwm:
-                peak = _hwm_bytes()
-            else:
-                self._stop.set()
-                self._thread.join()
-                peak = self._sampled
+        elif self._prof is not None:
+            self._prof.__exit__(*exc)
+            if exc[0] is None:
+                self.peak_bytes = _allocator_peak(self._prof)
+        elif self._hwm:
+            peak = _hwm_bytes()
             self.peak_bytes = None if peak is None else max(0, int(peak - self._base))
         return False
+
+
+def _allocator_peak(prof) -> int:
+    """Peak of the running sum of CPU allocation (+) / free (-) bytes in a profile."""
+    cpu = torch.autograd.DeviceType.CPU
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == cpu)
+    cur = peak = 0
+    for _, nbytes in events:
+        cur += nbytes
+        peak = max(peak, cur)
+    return int(peak)
 
 
 def _core_of(step_fn) -> Callable:
@@ -408,16 +425,17 @@ def benchmark_step(
     rounds = max(1, min(rounds, steps)) if eager_baseline else 1
     per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
     pos = 1 + warmup
-    mem = PeakMemory(device)
     for r, n in enumerate(per_round):
-        if r == 0:
-            with mem:
-                cur = _time_steps(runner, cur, batches, n, pos, device, times)
-        else:
-            cur = _time_steps(runner, cur, batches, n, pos, device, times)
+        cur = _time_steps(runner, cur, batches, n, pos, device, times)
         if eager_baseline:
             eager_state = _time_steps(eager_runner, eager_state, batches, n, pos, device, eager_times)
         pos += n
+
+    mem = PeakMemory(device)  # one extra, untimed step: the CPU accounting slows what it watches
+    with mem:
+        cur, _ = runner(cur, batches[pos % len(batches)])
+        _sync(device)
+    recompiles_in_timed = runner.compile_count - counted_before
 
     sizes = [size_fn(batches[(1 + warmup + i) % len(batches)]) for i in range(steps)]
     samples = statistics.fmean(s for s, _ in sizes)
@@ -437,12 +455,12 @@ def benchmark_step(
         compile_s=sum(runner.compile_seconds) if compiled else None,
         compile_count=runner.compile_count,
         recompile_reasons=list(runner.recompile_reasons),
-        recompiles_in_timed_steps=runner.compile_count - counted_before,
+        recompiles_in_timed_steps=recompiles_in_timed,
         graph_break_count=gb_count,
         break_reasons=gb_reasons,
         compile_error=compile_error,
         peak_memory_bytes=mem.peak_bytes,
-        memory_method=mem.method + f" (first {per_round[0]} timed steps)",
+        memory_method=mem.method + " (one untimed step after the timed ones)",
         samples_per_step=samples,
         points_per_step=points,
         samples_per_s=samples * steps / total_s,

@@ -144,3 +144,16 @@ def test_bench_main_user_factory(tmp_path, capsys):
     assert bench_main([f"{factory}:make", "--steps", "3", "--warmup", "0", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["name"] == "tiny"
     assert "step time" in capsys.readouterr().out
+
+
+def test_peak_memory_of_a_step_in_a_warm_process():
+    # The RSS method read 0 here (glibc keeps freed blocks mapped); the allocator accounting must not.
+    state, batches = _setup()
+    big = [{"x": torch.randn(4096, 4), "y": torch.randint(0, 3, (4096,))}]
+    for _ in range(2):
+        state, _ = _core(state, big[0])
+    with PeakMemory(torch.device("cpu")) as mem:
+        state, _ = _core(state, big[0])
+    # at least the logits' and softmax's [4096, 3] float32 buffers (48 KiB each)
+    assert mem.peak_bytes is not None and mem.peak_bytes >= 4096 * 3 * 4, (mem.peak_bytes, mem.method)
+    assert "allocator" in mem.method
