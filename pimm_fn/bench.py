@@ -562,7 +562,7 @@ def measure_compile_cache(factory: str, factory_kwargs: Optional[dict] = None, *
 # --------------------------------------------------------------------------------------
 # CLI: pimm-fn bench
 # --------------------------------------------------------------------------------------
-BUILTIN_WORKLOADS = ("mlp", "pointseg", "cnn", "grpo")
+BUILTIN_WORKLOADS = ("mlp", "pointseg", "cnn")  # GRPO: benchmarks/grpo_step.py
 
 
 def _resolve_workload(name: str) -> str:
@@ -578,7 +578,7 @@ def _resolve_workload(name: str) -> str:
 def bench_main(argv: Optional[Sequence[str]] = None) -> int:
     """``pimm-fn bench WORKLOAD [--steps N] [--warmup N] [--eager] [--cache] [--json OUT]``.
 
-    WORKLOAD: mlp | pointseg | cnn | grpo, or "module:factory" / "file.py:factory" for your
+    WORKLOAD: mlp | pointseg | cnn, or "module:factory" / "file.py:factory" for your
     own step (the factory returns a :class:`Workload`).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -588,7 +588,7 @@ def bench_main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(_probe(p["spec"], p["kwargs"], p["calls"], p["compile_kw"])))
         return 0
     ap = argparse.ArgumentParser(prog="pimm-fn bench", description="Benchmark a compiled pimm_fn step.")
-    ap.add_argument("workload", help="mlp | pointseg | cnn | grpo | module:factory | file.py:factory")
+    ap.add_argument("workload", help="mlp | pointseg | cnn | module:factory | file.py:factory")
     ap.add_argument("--steps", type=int, default=30, help="timed steps (default 30)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the compiling call")
     ap.add_argument("--eager", action="store_true", help="also time the eager step, interleaved")
