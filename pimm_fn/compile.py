@@ -9,6 +9,7 @@ those leaves, and hands back the state with the key advanced and the cursor unto
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from typing import Any, Callable, Optional
@@ -30,13 +31,27 @@ def _rank_seed(seed: int) -> int:
     return seed
 
 
+@contextlib.contextmanager
+def seeded_rng(seed: int):
+    """Run the block with torch's generator seeded to ``seed``, then put it back.
+
+    The step's randomness is a function of the state alone, and a step leaves the caller's
+    global RNG stream as it found it (model construction or data code after a step draws
+    the same numbers whether or not, and on which rank, steps ran).
+    """
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
 def _run_core(core: StepCore, state: TrainState, batch):
     if not isinstance(state, TrainState):
         raise TypeError(f"a step takes a TrainState as its first argument, got {type(state).__name__}")
     # Randomness inside a step (dropout, sampling) comes from torch's generator, seeded
     # from the state's key: the same state and batch always give the same result.
-    torch.manual_seed(_rank_seed(state.rng.step_seed()))
-    new_state, metrics = core(state.replace(rng=None, cursor=None), batch)
+    with seeded_rng(_rank_seed(state.rng.step_seed())):
+        new_state, metrics = core(state.replace(rng=None, cursor=None), batch)
     return new_state.replace(rng=state.rng.next(), cursor=state.cursor), metrics
 
 
@@ -177,6 +192,5 @@ def explain_step(step_fn, state: TrainState, batch):
     """
     step = as_step(step_fn)
     inner = state.replace(rng=None, cursor=None)
-    torch.manual_seed(_rank_seed(state.rng.step_seed()))
-    with torch._dynamo.config.patch(trace_autograd_ops=True):
+    with seeded_rng(_rank_seed(state.rng.step_seed())), torch._dynamo.config.patch(trace_autograd_ops=True):
         return torch._dynamo.explain(step.core)(inner, batch)

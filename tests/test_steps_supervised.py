@@ -264,3 +264,15 @@ def test_unknown_autocast_dtype_is_a_clear_error():
     state = TrainState.create(BNNet(), optim.sgd(lr=0.1))
     with pytest.raises(ValueError, match="unknown autocast dtype 'int8'"):
         supervised(autocast="int8")(state, make_batches(1)[0])
+
+
+def test_a_step_leaves_the_callers_rng_stream_alone():
+    state = TrainState.create(BNNet(dropout=0.5), optim.sgd(lr=0.1))
+    batch = make_batches(1)[0]
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    _, m1 = supervised()(state, batch)
+    assert torch.equal(torch.rand(4), expected)
+    _, m2 = supervised()(state, batch)  # and the step itself is a function of the state
+    assert torch.equal(m1["loss"], m2["loss"])

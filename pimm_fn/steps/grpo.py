@@ -36,7 +36,7 @@ import torch
 from torch.func import functional_call
 
 from .. import rl
-from ..compile import Step, compile_step
+from ..compile import Step, _rank_seed, compile_step, seeded_rng
 from ..optim.base import apply_updates
 from ..state import RngKey, TrainState
 from ..tree import all_finite, global_norm, tree_map, tree_where
@@ -372,8 +372,8 @@ class GRPOStep:
             raise TypeError(f"a step takes a TrainState as its first argument, got {type(state).__name__}")
         if state.loss_scale is not None:
             raise NotImplementedError("the GRPO step does not support loss scaling; build the state with loss_scale=None")
-        torch.manual_seed(state.rng.step_seed())
-        ro = self.rollout(state, batch)
+        with seeded_rng(_rank_seed(state.rng.step_seed())):
+            ro = self.rollout(state, batch)
         # The update core gets its own key, split off this step's key, so randomness inside
         # it (dropout) does not replay the sampling stream; the state keeps the parent key.
         sub = RngKey(seed=state.rng.step_seed(), counter=0)

@@ -75,6 +75,7 @@ def main():
     res["unequal_samples"] = float(m["samples"])
 
     # a non-finite gradient on rank 1 only: every rank skips, the loss scale backs off on both
+    torch.manual_seed(0)  # same initial params on every rank (the randn above drew per-rank sizes)
     state = TrainState.create(C.MLP(), C.optimizer("sgd", 0.05), seed=0, loss_scale=True)
     xs = torch.randn(4, C.IN)
     if ctx.rank == 1:
