@@ -46,7 +46,9 @@ class ProgressBar(Callback):
                                  disable=self.disable, dynamic_ncols=True)
         else:
             self.step_bar.reset(total=event.iters_per_epoch)
-            self.step_bar.set_description(desc, refresh=False)
+            # Refresh now: a new epoch shows its name at once, even if its steps are quicker
+            # than tqdm's refresh interval.
+            self.step_bar.set_description(desc, refresh=True)
             if event.iteration:
                 self.step_bar.update(event.iteration)
 
