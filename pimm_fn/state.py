@@ -23,15 +23,17 @@ from .tree import NAMESPACE
 
 
 def _replace(obj, changes: dict):
-    unknown = set(changes) - set(obj.__dict__)
-    if unknown:
-        raise TypeError(
-            f"{type(obj).__name__}.replace() got unknown field(s) {sorted(unknown)}; "
-            f"valid fields: {sorted(obj.__dict__)}"
-        )
+    fields = obj.__dict__
+    for name in changes:
+        if name not in fields:
+            raise TypeError(
+                f"{type(obj).__name__}.replace() got unknown field(s) {sorted(set(changes) - set(fields))}; "
+                f"valid fields: {sorted(fields)}"
+            )
     new = object.__new__(type(obj))
-    new.__dict__.update(obj.__dict__)
-    new.__dict__.update(changes)
+    new_fields = new.__dict__
+    new_fields.update(fields)
+    new_fields.update(changes)
     return new
 
 

@@ -17,6 +17,7 @@ from pimm_fn.callbacks import (  # noqa: E402
     batch_stats, on, resume,
 )
 from pimm_fn.fit import fit  # noqa: E402
+from pimm_fn.tree import tree_leaves  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -274,9 +275,51 @@ def test_interrupt_during_a_checkpoint_write_leaves_no_partial_file(data, tmp_pa
     monkeypatch.setattr(os, "fsync", fsync)
     rec = Recorder()
     res = fit(make_state(), PermLoader(*data), step_fn, epochs=2,
-              callbacks=[rec, Checkpoint(tmp_path, every_steps=2, every_epochs=None, save_on_interrupt=False)])
+              callbacks=[rec, Checkpoint(tmp_path, every_steps=2, every_epochs=None, save_on_interrupt=False,
+                                         background=False)])  # an interrupt lands on the training thread
     assert hits["n"] == 1 and res.status == "interrupted" and int(res.state.step) == 4
     assert rec.kinds()[-1] == "Interrupted"
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".ckpt") == ["step_2.ckpt"]
     assert ckpt.CheckpointDir(tmp_path).latest().name == "step_2.ckpt"
+
+
+def test_background_checkpoints_equal_foreground_ones_and_are_durable_when_fit_returns(data, tmp_path):
+    from pimm_fn import checkpoint as ckpt
+
+    runs = {}
+    for background in (False, True):
+        rec = Recorder()
+        folder = tmp_path / str(background)
+        res = fit(make_state(), PermLoader(*data), step_fn, epochs=2,
+                  callbacks=[rec, Checkpoint(folder, every_steps=2, keep_last=None, background=background)])
+        # every write was reported (in order) and is on disk by the time fit returns
+        saved = [e.step for e in rec.events if isinstance(e, ev.CheckpointSaved)]
+        assert saved == sorted(saved) and all((folder / f"step_{s}.ckpt").is_file() for s in saved)
+        runs[background] = (saved, folder, res.state)
+    assert runs[True][0] == runs[False][0] and runs[True][0]
+    for step in runs[True][0]:
+        a, _ = ckpt.restore(runs[False][1] / f"step_{step}.ckpt", make_state())
+        b, _ = ckpt.restore(runs[True][1] / f"step_{step}.ckpt", make_state())
+        for x, y in zip(tree_leaves(a.params), tree_leaves(b.params)):
+            assert torch.equal(x, y)
+    assert ckpt.CheckpointDir(runs[True][1]).latest().name == f"step_{runs[True][0][-1]}.ckpt"
+
+
+def test_a_failed_background_write_raises_on_the_training_thread_and_keeps_latest(data, tmp_path, monkeypatch):
+    from pimm_fn import checkpoint as ckpt
+
+    real = os.fsync
+
+    def fsync(fd):
+        name = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else ""
+        if name.endswith(".tmp") and "step_4" in name:
+            raise OSError(28, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(ckpt.CheckpointError, match=r"step 4 .*No space left.*intact.*latest"):
+        fit(make_state(), PermLoader(*data), step_fn, epochs=3,
+            callbacks=[Checkpoint(tmp_path, every_steps=2, every_epochs=None)])
+    assert ckpt.CheckpointDir(tmp_path).latest().name == "step_2.ckpt"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]

@@ -276,3 +276,23 @@ def test_a_step_leaves_the_callers_rng_stream_alone():
     assert torch.equal(torch.rand(4), expected)
     _, m2 = supervised()(state, batch)  # and the step itself is a function of the state
     assert torch.equal(m1["loss"], m2["loss"])
+
+
+def test_compiled_step_boundary_keeps_the_rng_contract_and_restores_dynamo_config(compiled_adamw_step):
+    # The boundary seeds the generator directly (no torch.manual_seed / fork_rng) and
+    # switches dynamo's trace_autograd_ops only while tracing; neither may leak out.
+    import torch._dynamo
+
+    state = TrainState.create(BNNet(dropout=0.5), optim.sgd(lr=0.1), seed=3)
+    batch = make_batches(1)[0]
+    flag = torch._dynamo.config.trace_autograd_ops
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    s1, m1 = compiled_adamw_step(state, batch)   # compiles for this model
+    s2, m2 = compiled_adamw_step(state, batch)   # a cache hit: same state + batch, same result
+    assert torch.equal(torch.rand(4), expected)
+    assert torch._dynamo.config.trace_autograd_ops == flag
+    assert torch.equal(m1["loss"], m2["loss"])
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves(s1.params), tree_leaves(s2.params)))
+    assert s1.rng.counter == state.rng.counter + 1 and s1.cursor == state.cursor

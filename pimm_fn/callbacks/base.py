@@ -65,6 +65,21 @@ class Callback:
         pass
 
 
+def handles(cb, event_type: type) -> bool:
+    """Whether ``cb`` can act on ``event_type`` events (False only when that is certain).
+
+    A :class:`Callback` that overrides neither ``__call__`` nor the event's ``on_*`` method
+    ignores it, and so does an :func:`on` filter for another event type; any other
+    callable may act on anything.
+    """
+    if isinstance(cb, _Filtered):
+        return cb.event_type is event_type
+    if isinstance(cb, Callback) and type(cb).__call__ is Callback.__call__:
+        name = _METHODS.get(event_type)
+        return name is None or getattr(type(cb), name) is not getattr(Callback, name)
+    return True
+
+
 def callback_name(cb) -> str:
     return getattr(cb, "name", None) or getattr(cb, "__name__", None) or type(cb).__name__
 

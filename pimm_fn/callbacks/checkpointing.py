@@ -7,7 +7,9 @@ named ``step_<n>.ckpt`` in ``directory``. Besides the TrainState each holds, in 
 """
 from __future__ import annotations
 
+import collections
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -41,6 +43,14 @@ class Checkpoint(Callback):
         (``mode`` ``"max"`` or ``"min"``) saves a checkpoint marked best (``best.ckpt``).
     save_final: save when the run ends (completed or stopped) unless this step is saved.
     save_on_interrupt: save the last completed state on KeyboardInterrupt.
+    background: write files on a writer thread while training goes on (default). The
+        state handed over is a snapshot by construction: steps are pure, so no tensor of a
+        state is written after its step returned. Files are as atomic as a foreground save
+        (temp file, fsync, rename, then the ``latest`` pointer): a SIGKILL mid-write leaves
+        the previous checkpoint as ``latest``. ``CheckpointSaved`` is emitted once the file
+        is durable (at a later step, or when the run ends: ``fit`` returns only after every
+        write finished). A failed write raises on the training thread at the next event.
+        States with tensors off the CPU are saved in the foreground.
 
     Saves happen once the step's events reached every callback (this callback runs last and
     saves on SaveRequested), so loggers have flushed that step and the best metric of an
@@ -52,7 +62,8 @@ class Checkpoint(Callback):
 
     def __init__(self, directory, *, every_steps: Optional[int] = None, every_epochs: Optional[int] = 1,
                  keep_last: Optional[int] = 3, best_metric: Optional[str] = None, mode: str = "max",
-                 eval_name: str = "val", save_final: bool = True, save_on_interrupt: bool = True):
+                 eval_name: str = "val", save_final: bool = True, save_on_interrupt: bool = True,
+                 background: bool = True):
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
         for label, n in (("every_steps", every_steps), ("every_epochs", every_epochs), ("keep_last", keep_last)):
@@ -69,6 +80,9 @@ class Checkpoint(Callback):
         self.last_path: Optional[Path] = None
         self._loader = None
         self._callbacks: Sequence = ()
+        self.background = background
+        self._writer: Optional[ThreadPoolExecutor] = None
+        self._pending: collections.deque = collections.deque()  # (future, step, best), oldest first
 
     # ----- state kept in checkpoints
     def state_dict(self) -> dict:
@@ -89,23 +103,70 @@ class Checkpoint(Callback):
         }
 
     def save(self, state, step: int, *, best: bool = False) -> Path:
-        """Write a checkpoint of ``state`` now (a ``checkpoint.save`` span in profiler traces)."""
-        with torch.profiler.record_function("checkpoint.save"):
-            path = self.dir.save(state, step=step, extra=self._extra(), keep_last=self.keep_last, best=best)
+        """Write a checkpoint of ``state`` now, in the foreground (after any pending writes)."""
+        self._finished(wait=True)
+        path = self._write(state, step, self._extra(), best)
         self.last_saved_step, self.last_path = step, path
         return path
+
+    def _write(self, state, step: int, extra: dict, best: bool) -> Path:
+        with torch.profiler.record_function("checkpoint.save"):
+            return self.dir.save(state, step=step, extra=extra, keep_last=self.keep_last, best=best)
+
+    def _request(self, state, step: int, best: bool) -> list:
+        """Save ``state`` as ``step``: in the background where possible; returns finished events."""
+        if not self.background or not _all_on_cpu(state):
+            return self._finished(wait=True) + [
+                ev.CheckpointSaved(step=step, path=str(self.save(state, step, best=best)), best=best)]
+        # What the loader and callbacks say about this step is read now, on this thread.
+        extra = self._extra()
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="pimm_fn-checkpoint")
+        # The writer thread's own span is not in a profile of the training thread; this one
+        # marks the hand-off there.
+        with torch.profiler.record_function("checkpoint.save.background"):
+            future = self._writer.submit(self._write, state, step, extra, best)
+        self._pending.append((future, step, best))
+        self.last_saved_step, self.last_path = step, self.dir.path_for(step)
+        return self._finished(wait=False)
+
+    def _finished(self, wait: bool) -> list:
+        """CheckpointSaved events of the writes that completed (all of them with ``wait``)."""
+        out = []
+        while self._pending and (wait or self._pending[0][0].done()):
+            future, step, best = self._pending.popleft()
+            try:
+                path = future.result()
+            except BaseException as err:
+                self._pending.clear()
+                raise ckpt.CheckpointError(
+                    f"writing the checkpoint of step {step} into {self.dir.root} failed "
+                    f"({type(err).__name__}: {err}); the folder's earlier checkpoints are intact and "
+                    "'latest' still names the last complete one. Free disk space or fix the folder's "
+                    "permissions, then resume from it."
+                ) from err
+            out.append(ev.CheckpointSaved(step=step, path=str(path), best=best))
+        return out
+
+    def wait(self) -> None:
+        """Block until every background write is durable (raises if one failed)."""
+        self._finished(wait=True)
 
     # ----- events
     def on_train_start(self, event, state):
         self._loader, self._callbacks = event.loader, event.callbacks
 
     def on_step_end(self, event, state):
+        done = self._finished(wait=False) if self._pending else []
         if due(event.step, self.every_steps):
-            return ev.SaveNow("every_steps")
+            done.append(ev.SaveNow("every_steps"))
+        return done or None
 
     def on_epoch_end(self, event, state):
+        done = self._finished(wait=False) if self._pending else []
         if due(event.epoch + 1, self.every_epochs):
-            return ev.SaveNow("every_epochs")
+            done.append(ev.SaveNow("every_epochs"))
+        return done or None
 
     def _better(self, value: float) -> bool:
         if not math.isfinite(value):
@@ -115,8 +176,9 @@ class Checkpoint(Callback):
         return value > self.best if self.mode == "max" else value < self.best
 
     def on_eval_end(self, event, state):
+        done = self._finished(wait=False) if self._pending else []
         if self.best_metric is None or event.name != self.eval_name:
-            return None
+            return done or None
         if self.best_metric not in event.metrics:
             raise KeyError(
                 f"Checkpoint(best_metric={self.best_metric!r}): the {event.name!r} evaluation reported "
@@ -125,28 +187,45 @@ class Checkpoint(Callback):
         value = float(event.metrics[self.best_metric])
         if self._better(value):
             self.best, self.best_step = value, event.step
-            return ev.SaveNow("best", best=True)
-        return None
+            done.append(ev.SaveNow("best", best=True))
+        return done or None
 
     def on_save_requested(self, event, state):
         if event.step == self.last_saved_step and not event.best:
             return None
-        path = self.save(state, event.step, best=event.best)
-        return ev.CheckpointSaved(step=event.step, path=str(path), best=event.best)
+        return self._request(state, event.step, event.best) or None
 
     def _final(self, event, state):
-        if self.last_saved_step == event.step:
-            return None
-        path = self.save(state, event.step)
-        return ev.CheckpointSaved(step=event.step, path=str(path))
+        out = [] if self.last_saved_step == event.step else self._request(state, event.step, False)
+        return out + self._finished(wait=True) or None
 
     def on_train_end(self, event, state):
         if self.save_final:
             return self._final(event, state)
+        return self._finished(wait=True) or None
 
     def on_interrupted(self, event, state):
         if self.save_on_interrupt:
             return self._final(event, state)
+        return self._finished(wait=True) or None
+
+    def on_failed(self, event, state):
+        # The run's own error is what fit re-raises; still let started writes finish.
+        try:
+            return self._finished(wait=True) or None
+        except ckpt.CheckpointError:
+            return None
+
+    def on_end(self, event, state):
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
+
+def _all_on_cpu(state) -> bool:
+    from ..tree import tree_leaves
+
+    return all(t.device.type == "cpu" for t in tree_leaves(state) if isinstance(t, torch.Tensor))
 
 
 def restore_latest(directory, like):

@@ -113,8 +113,9 @@ class TensorBoard(_Buffered):
 
     Steps are continuous across resume: a resumed run (state.step = s > 0) starts a new event
     file with a purge marker at step s + 1, so TensorBoard drops what a killed run wrote after
-    its last checkpoint and each step appears once. Events are written synchronously (in
-    batches of ``sync_every`` steps) and flushed before every checkpoint.
+    its last checkpoint and each step appears once. Events are written on the training
+    thread in batches of ``sync_every`` steps (one host sync per batch, one event per step,
+    checksums in C through the ``crc32c`` package) and flushed before every checkpoint.
 
     every_steps: log every n-th step (1: each step, as the seed). ``writer_kwargs`` are not
     needed; use :meth:`add_scalar` for your own scalars.
@@ -161,11 +162,12 @@ class TensorBoard(_Buffered):
             return
         self._open()
         from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.summary import scalar
+        from tensorboardX.proto.summary_pb2 import Summary
 
-        now = time.time()
-        for tag, value in scalars.items():
-            self._writer.write_event(Event(step=int(step), wall_time=now, summary=scalar(tag, value)))
+        # One event per step holding all its scalars: TensorBoard reads each value under its
+        # tag as if written alone, at a fraction of the cost (one record, one checksum).
+        values = [Summary.Value(tag=tag, simple_value=float(value)) for tag, value in scalars.items()]
+        self._writer.write_event(Event(step=int(step), wall_time=time.time(), summary=Summary(value=values)))
 
     def _flush(self):
         if self._writer is not None:

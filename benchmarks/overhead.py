@@ -1,0 +1,241 @@
+"""What the engine itself costs: the step boundary and fit's callbacks, interleaved in one process.
+
+1. Boundary: a trivial compiled step (``state.step + 1`` and one reduction) called through
+   ``compile_step`` versus the same core compiled bare with ``torch.compile(fullgraph=True)``
+   and called on the inner state. The difference per call is what the boundary adds (RNG
+   seeding, the host leaves, the finite check). Measured at the caller's stack depth and
+   again 60 frames deeper (a notebook calls from deep stacks).
+2. fit: a compiled supervised MLP step (64-256-10, batch 256, AdamW + OneCycle, clip 1.0;
+   ~0.5-1 ms on 2 cores) run as a bare ``for b in batches: state, m = step(state, b)``
+   loop, through ``fit`` with no callbacks, with each callback alone (ProgressBar to
+   /dev/null, TensorBoard every step, Checkpoint every epoch) and with all three. Each way
+   keeps its own state; a round runs every way once (one ``fit`` call of ``--epochs``
+   epochs each, the order rotating); the figure is the median over rounds of each way's
+   time divided by the bare loop's time in the same round.
+
+    python benchmarks/overhead.py                  # table + benchmarks/results/overhead.json
+    python benchmarks/overhead.py --quick          # fewer rounds
+
+Speed is measured here, never asserted in tests. Read the load average printed with the
+table: on a busy machine the ratios are noise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import pimm_fn
+from pimm_fn import TrainState, compile_step, optim, schedules, steps
+from pimm_fn.callbacks import Checkpoint, ProgressBar, TensorBoard
+from pimm_fn.compile import Step
+from pimm_fn.fit import fit
+from pimm_fn.models import MLPClassifier
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def load() -> list:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# ----------------------------------------------------------------------------- boundary
+
+
+def _trivial_core(state, batch):
+    return state.replace(step=state.step + 1), {"total": batch["x"].sum()}
+
+
+def _at_depth(depth: int, fn, *args):
+    """Call ``fn(*args)`` ``depth`` Python frames below the caller."""
+    if depth <= 0:
+        return fn(*args)
+    return _at_depth(depth - 1, fn, *args)
+
+
+def boundary(rounds: int, calls: int, deep: int = 60) -> dict:
+    """Per-call cost of ``compile_step``'s boundary over the bare compiled core, in microseconds."""
+    model = MLPClassifier(8, 2, hidden=(8,))
+    state = TrainState.create(model, optim.sgd(0.1), seed=0)
+    batch = {"x": torch.randn(4, 8)}
+    step = compile_step(Step(_trivial_core, name="trivial"))
+    bare = torch.compile(_trivial_core, fullgraph=True)
+    inner = state.replace(rng=None, cursor=None)
+    holders = {"step": state, "bare": inner}
+
+    def run_step(n):
+        s = holders["step"]
+        for _ in range(n):
+            s, _ = step(s, batch)
+        holders["step"] = s
+
+    def run_bare(n):
+        s = holders["bare"]
+        for _ in range(n):
+            s, _ = bare(s, batch)
+        holders["bare"] = s
+
+    ways = {"step": run_step, "bare": run_bare}
+    for fn in ways.values():
+        fn(50)  # compile, warm
+    out = {}
+    for label, depth in (("shallow", 0), ("deep", deep)):
+        times = {k: [] for k in ways}
+        for r in range(rounds):
+            order = list(ways) if r % 2 == 0 else list(ways)[::-1]
+            for k in order:
+                t0 = time.perf_counter()
+                _at_depth(depth, ways[k], calls)
+                times[k].append((time.perf_counter() - t0) / calls * 1e6)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        out[label] = {"depth": depth, "us_per_call": med, "boundary_us": med["step"] - med["bare"],
+                      "per_round_us": times}
+    out["compile_count"] = step.compile_count
+    return out
+
+
+# ----------------------------------------------------------------------------- fit
+
+FIT_WAYS = ("bare_loop", "fit", "fit+progress", "fit+tensorboard", "fit+checkpoint", "fit+all")
+
+
+def _mlp_setup(steps_per_epoch: int, total_epochs: int):
+    torch.manual_seed(0)
+    model = MLPClassifier(64, 10, hidden=(256,))
+    horizon = steps_per_epoch * total_epochs
+    tx = optim.adamw(schedules.one_cycle(horizon, 1e-3), weight_decay=0.01)
+    state = TrainState.create(model, tx, seed=0)
+    g = torch.Generator().manual_seed(0)
+    pool = [{"x": torch.randn(256, 64, generator=g), "y": torch.randint(0, 10, (256,), generator=g)}
+            for _ in range(8)]
+    loader = [pool[i % len(pool)] for i in range(steps_per_epoch)]
+    return state, loader
+
+
+def fit_overhead(rounds: int, steps_per_epoch: int, epochs: int) -> dict:
+    """fit's per-step cost with each callback alone and all together, vs a bare loop."""
+    state0, loader = _mlp_setup(steps_per_epoch, epochs * (rounds + 2))
+    step = compile_step(steps.supervised(clip_grad=1.0))
+    tmp = tempfile.TemporaryDirectory(prefix="pimm_fn_overhead_")
+    devnull = open(os.devnull, "w")
+
+    def callbacks(way: str) -> list:
+        root = os.path.join(tmp.name, way.replace("+", "_"))
+        made = {
+            "progress": lambda: ProgressBar(file=devnull),
+            "tensorboard": lambda: TensorBoard(os.path.join(root, "tb"), every_steps=1),
+            "checkpoint": lambda: Checkpoint(os.path.join(root, "ckpt"), every_epochs=1, keep_last=2),
+        }
+        if way == "fit":
+            return []
+        if way == "fit+all":
+            return [made[k]() for k in ("progress", "tensorboard", "checkpoint")]
+        return [made[way.split("+")[1]]()]
+
+    cbs = {w: callbacks(w) for w in FIT_WAYS if w != "bare_loop"}
+    states = {w: state0 for w in FIT_WAYS}
+
+    def bare(state):
+        for _ in range(epochs):
+            for b in loader:
+                state, _ = step(state, b)
+        return state
+
+    def through_fit(way):
+        def run(state):
+            return fit(state, loader, step, epochs=state.cursor.epoch + epochs, callbacks=cbs[way]).state
+        return run
+
+    runs = {w: (bare if w == "bare_loop" else through_fit(w)) for w in FIT_WAYS}
+    for w in FIT_WAYS:  # compile once, open writers, make folders
+        states[w] = runs[w](states[w])
+    seconds = {w: [] for w in FIT_WAYS}
+    for r in range(rounds):
+        k = r % len(FIT_WAYS)
+        for w in FIT_WAYS[k:] + FIT_WAYS[:k]:
+            t0 = time.perf_counter()
+            states[w] = runs[w](states[w])
+            seconds[w].append(time.perf_counter() - t0)
+    devnull.close()
+    tmp.cleanup()
+    n = steps_per_epoch * epochs
+    ratios = {w: [s / b for s, b in zip(seconds[w], seconds["bare_loop"])] for w in FIT_WAYS}
+    return {
+        "steps_per_epoch": steps_per_epoch, "epochs_per_call": epochs, "rounds": rounds,
+        "bare_ms_per_step": statistics.median(seconds["bare_loop"]) * 1e3 / n,
+        "ms_per_step": {w: statistics.median(v) * 1e3 / n for w, v in seconds.items()},
+        "overhead": {w: statistics.median(v) - 1 for w, v in ratios.items()},
+        "per_round_ratio": ratios,
+        "compile_count": step.compile_count,
+    }
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def table(res: dict) -> str:
+    b, f = res["boundary"], res["fit"]
+    lines = [
+        f"pimm_fn {pimm_fn.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"load average before {res['load_before']} after {res['load_after']}",
+        "",
+        "step boundary (compile_step call minus the bare compiled core), us per call:",
+        "| caller stack | compiled step | bare core | boundary |",
+        "|---|---|---|---|",
+    ]
+    for label in ("shallow", "deep"):
+        d = b[label]
+        lines.append(f"| {label} (+{d['depth']} frames) | {d['us_per_call']['step']:.1f} | "
+                     f"{d['us_per_call']['bare']:.1f} | **{d['boundary_us']:.1f}** |")
+    lines += [
+        "",
+        f"fit overhead over the bare loop (compiled MLP 64-256-10 step, batch 256, bare "
+        f"{f['bare_ms_per_step']:.3f} ms/step; {f['epochs_per_call']} epochs x {f['steps_per_epoch']} steps "
+        f"per call, median of {f['rounds']} paired rounds):",
+        "| way | ms/step | overhead |",
+        "|---|---|---|",
+    ]
+    for w in FIT_WAYS:
+        lines.append(f"| {w} | {f['ms_per_step'][w]:.3f} | {100 * f['overhead'][w]:+.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--calls", type=int, default=2000, help="boundary calls per round and way")
+    p.add_argument("--steps-per-epoch", type=int, default=200)
+    p.add_argument("--epochs", type=int, default=3, help="epochs per fit call (one call per round and way)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="4 rounds, 500 boundary calls")
+    p.add_argument("--json", default=os.path.join(RESULTS, "overhead.json"))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.calls = 4, 500
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = {"machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
+                       "threads": torch.get_num_threads()},
+           "load_before": load()}
+    res["boundary"] = boundary(args.rounds, args.calls)
+    res["fit"] = fit_overhead(args.rounds, args.steps_per_epoch, args.epochs)
+    res["load_after"] = load()
+    text = table(res)
+    print(text)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as fh:
+        json.dump(res, fh, indent=1)
+    with open(os.path.splitext(args.json)[0] + ".txt", "w") as fh:
+        fh.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
