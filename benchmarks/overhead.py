@@ -103,7 +103,7 @@ def boundary(rounds: int, calls: int, deep: int = 60) -> dict:
 
 # ----------------------------------------------------------------------------- fit
 
-FIT_WAYS = ("bare_loop", "fit", "fit+progress", "fit+tensorboard", "fit+checkpoint", "fit+all")
+FIT_WAYS = ("bare_loop", "fit", "fit+progress", "fit+tensorboard", "fit+checkpoint", "fit+checkpoint_fg", "fit+all")
 
 
 def _mlp_setup(steps_per_epoch: int, total_epochs: int):
@@ -132,6 +132,8 @@ def fit_overhead(rounds: int, steps_per_epoch: int, epochs: int) -> dict:
             "progress": lambda: ProgressBar(file=devnull),
             "tensorboard": lambda: TensorBoard(os.path.join(root, "tb"), every_steps=1),
             "checkpoint": lambda: Checkpoint(os.path.join(root, "ckpt"), every_epochs=1, keep_last=2),
+            "checkpoint_fg": lambda: Checkpoint(os.path.join(root, "ckpt"), every_epochs=1, keep_last=2,
+                                                background=False),
         }
         if way == "fit":
             return []

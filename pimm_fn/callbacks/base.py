@@ -33,6 +33,8 @@ class Callback:
     Failed, AlreadyComplete) after its own method: the place to close files.
     ``state_dict`` / ``load_state_dict``: what :class:`Checkpoint` stores for this callback
     and :func:`pimm_fn.callbacks.resume` restores (override both or neither).
+    ``wants(event_type)``: optional; returning False for ``StepEnd`` takes the callback off
+    the per-step path (a callback acting every n-th step still wants it).
     """
 
     order: int = 0
@@ -69,11 +71,14 @@ def handles(cb, event_type: type) -> bool:
     """Whether ``cb`` can act on ``event_type`` events (False only when that is certain).
 
     A :class:`Callback` that overrides neither ``__call__`` nor the event's ``on_*`` method
-    ignores it, and so does an :func:`on` filter for another event type; any other
-    callable may act on anything.
+    ignores it, and so does an :func:`on` filter for another event type; a callback with a
+    ``wants(event_type)`` method says itself; any other callable may act on anything.
     """
     if isinstance(cb, _Filtered):
         return cb.event_type is event_type
+    wants = getattr(cb, "wants", None)
+    if callable(wants):
+        return bool(wants(event_type))
     if isinstance(cb, Callback) and type(cb).__call__ is Callback.__call__:
         name = _METHODS.get(event_type)
         return name is None or getattr(type(cb), name) is not getattr(Callback, name)

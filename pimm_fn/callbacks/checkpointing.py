@@ -49,7 +49,8 @@ class Checkpoint(Callback):
         (temp file, fsync, rename, then the ``latest`` pointer): a SIGKILL mid-write leaves
         the previous checkpoint as ``latest``. ``CheckpointSaved`` is emitted once the file
         is durable (at a later step, or when the run ends: ``fit`` returns only after every
-        write finished). A failed write raises on the training thread at the next event.
+        write finished). A failed write raises ``CheckpointError`` on the training thread at
+        a later event; ``latest`` only ever names complete files.
         States with tensors off the CPU are saved in the foreground.
 
     Saves happen once the step's events reached every callback (this callback runs last and
@@ -153,6 +154,11 @@ class Checkpoint(Callback):
         self._finished(wait=True)
 
     # ----- events
+    def wants(self, event_type) -> bool:
+        # Per-step saves need every StepEnd; otherwise finished background writes are
+        # reported at the next epoch end, evaluation, save or the run's end.
+        return event_type is not ev.StepEnd or self.every_steps is not None
+
     def on_train_start(self, event, state):
         self._loader, self._callbacks = event.loader, event.callbacks
 

@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from .. import events as ev
 from .base import Callback, due
 
 
@@ -40,14 +41,18 @@ def _numbers(rows):
     for i, (_, metrics) in enumerate(rows):
         for k, v in metrics.items():
             if isinstance(v, torch.Tensor):
-                if v.numel() != 1:
+                if v.dim() == 0 and v.device.type == "cpu":
+                    flat.append(v)  # the common case: stacked as is below
+                elif v.numel() == 1:
+                    flat.append(v.detach().reshape(()).float().cpu())
+                else:
                     continue  # the seed drops large tensors from the writer
-                flat.append(v.detach().reshape(()).float())
                 index.append((i, k))
             elif isinstance(v, (int, float)):
                 flat.append(torch.tensor(float(v)))
                 index.append((i, k))
-    values = torch.stack([t.cpu() if t.device.type != "cpu" else t for t in flat]).tolist() if flat else []
+    # One stack (dtypes promote) and one tolist: a single host sync for all the rows.
+    values = torch.stack(flat).detach().double().tolist() if flat else []
     out = [(step, {}) for step, _ in rows]
     for (i, k), x in zip(index, values):
         out[i][1][k] = x
@@ -79,6 +84,9 @@ class _Buffered(Callback):
 
     def on_train_start(self, event, state):
         self._open(event)
+
+    def wants(self, event_type) -> bool:
+        return event_type is not ev.StepEnd or bool(self.every_steps)
 
     def on_step_end(self, event, state):
         if due(event.step, self.every_steps):
