@@ -203,7 +203,16 @@ class CompiledStep:
         if not self._traced_once:
             self._allow_autograd_tracing()
         try:
-            new_state, metrics = _run_core(self._core, state, batch)
+            try:
+                new_state, metrics = _run_core(self._core, state, batch)
+            except torch._dynamo.exc.Unsupported as err:
+                # A re-trace dynamo started without a guard failure reaching guard_fail_fn
+                # (e.g. a new model on a shared step) meets autograd.grad with the flag off:
+                # the failed trace left no cache entry, so trace again with it on.
+                if self._flag_set or "trace_autograd_ops" not in str(err):
+                    raise
+                self._allow_autograd_tracing()
+                new_state, metrics = _run_core(self._core, state, batch)
         except torch._dynamo.exc.Unsupported as compile_error:
             # Dynamo reports a user error raised while tracing (a missing "loss", a shape
             # mismatch) as "Observed exception". Running the pure core eagerly once turns
