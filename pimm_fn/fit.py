@@ -318,9 +318,6 @@ class _Run:
     def _tracing(self) -> bool:
         return self.trace is True or (self.trace is None and _profiling())
 
-    def span(self, name):
-        return torch.profiler.record_function(name) if self._tracing() else _NULL
-
     def instant(self, name):
         if self._tracing():
             with torch.profiler.record_function(f"instant.{name}"):

@@ -17,6 +17,7 @@ import torch
 
 from .. import checkpoint as ckpt
 from .. import events as ev
+from ..tree import tree_leaves
 from .base import Callback, callback_name, due
 
 
@@ -149,10 +150,6 @@ class Checkpoint(Callback):
             out.append(ev.CheckpointSaved(step=step, path=str(path), best=best))
         return out
 
-    def wait(self) -> None:
-        """Block until every background write is durable (raises if one failed)."""
-        self._finished(wait=True)
-
     # ----- events
     def wants(self, event_type) -> bool:
         # Per-step saves need every StepEnd; otherwise finished background writes are
@@ -229,8 +226,6 @@ class Checkpoint(Callback):
 
 
 def _all_on_cpu(state) -> bool:
-    from ..tree import tree_leaves
-
     return all(t.device.type == "cpu" for t in tree_leaves(state) if isinstance(t, torch.Tensor))
 
 
