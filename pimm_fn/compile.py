@@ -161,6 +161,9 @@ class CompiledStep:
         if eager:
             self._core = step.core
             return
+        from . import isa_memo
+
+        isa_memo.install()  # inductor's CPU ISA probes: ~9 s of a cold compile, answered from disk
         patches = dict(options or {})
         if mode is not None:
             from torch._inductor import list_mode_options
