@@ -13,7 +13,7 @@ from .callbacks import (
 from .checkpoint import CheckpointDir, import_seed_checkpoint, restore, save
 from .compile import CompiledStep, Step, compile_step, explain_step
 from .events import (
-    AlreadyComplete, EpochEnd, EpochStart, EvalEnd, Failed, Interrupted, SaveNow, StepEnd, Stop, TrainEnd,
+    AlreadyComplete, EpochEnd, EpochStart, EvalEnd, Failed, Interrupted, SaveNow, StepBlock, StepEnd, Stop, TrainEnd,
     TrainStart,
 )
 from .fit import FitResult, History, StateMutationError, fit, fit_epoch
@@ -26,7 +26,7 @@ __all__ = [
     "AlreadyComplete", "Autocast", "Callback", "Checkpoint", "CheckpointDir", "CompiledStep", "Cursor",
     "EarlyStopping", "EpochEnd", "EpochStart", "EvalEnd", "Evaluate", "Failed", "FitResult", "History",
     "Interrupted", "LossScaleConfig", "LossScaleState", "ProgressBar", "RngKey", "SaveNow", "StateMutationError",
-    "Step", "StepEnd", "Stop", "StopOnNonFinite", "TensorBoard", "TextLog", "Trace", "TrainEnd", "TrainStart",
+    "Step", "StepBlock", "StepEnd", "Stop", "StopOnNonFinite", "TensorBoard", "TextLog", "Trace", "TrainEnd", "TrainStart",
     "TrainState", "WandB", "amp", "callbacks", "checkpoint", "compile_step", "data", "distributed", "events",
     "explain_step", "fit", "fit_epoch", "grpo", "import_seed_checkpoint", "metrics", "models", "on", "optim",
     "restore", "restore_latest", "resume", "rl", "save", "schedules", "steps", "supervised",

@@ -99,6 +99,64 @@ class StepEnd(Event):
 
 
 @_frozen
+class StepBlock(Event):
+    """The steps applied since the previous block, in one event (``step`` is the last one's).
+
+    ``fit`` collects every step's metrics and timings and delivers them as a block at most
+    every ``block_seconds`` (fit's argument) and always before any EpochEnd,
+    SaveRequested or terminal event, so a writer has seen every step before the epoch
+    closes or a checkpoint is written. A step then costs the run one list append instead of
+    an event per callback: loggers and progress bars take blocks; a callback that must act
+    right after a particular step (stop, evaluate, save) takes StepEnd.
+
+    Delivered only to callbacks that ask for it (an ``on_step_block`` method,
+    ``wants(StepBlock)``, or ``on(StepBlock)``); plain callables get StepEnd.
+
+    rows: per step ``(step, iteration, metrics, batch_size, data_time, step_time)``, oldest
+    first; the properties below give the columns. All rows are from one epoch.
+    """
+
+    epoch: int
+    samples_seen: int
+    iters_per_epoch: int
+    rows: tuple = attrs.field(repr=False)
+    epochs: Optional[int] = None
+
+    @property
+    def steps(self) -> tuple:
+        return tuple(r[0] for r in self.rows)
+
+    @property
+    def iterations(self) -> tuple:
+        return tuple(r[1] for r in self.rows)
+
+    @property
+    def metrics(self) -> tuple:
+        """One read-only mapping of 0-dim tensors per step."""
+        return tuple(types.MappingProxyType(r[2]) for r in self.rows)
+
+    @property
+    def data_time(self) -> float:
+        """Host seconds fetching batches, summed over the block."""
+        return sum(r[4] for r in self.rows)
+
+    @property
+    def step_time(self) -> float:
+        """Host seconds in step calls, summed over the block."""
+        return sum(r[5] for r in self.rows)
+
+    @property
+    def is_last(self) -> bool:
+        """The block ends with the run's last step by the horizon."""
+        last_iteration = self.rows[-1][1] if self.rows else -1
+        return (self.epochs is not None and last_iteration + 1 == self.iters_per_epoch
+                and self.epoch + 1 == self.epochs)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@_frozen
 class EvalEnd(Event):
     """An evaluation finished; ``metrics`` are floats (``name`` is the tag prefix, e.g. ``val``)."""
 

@@ -3,7 +3,8 @@
 ``fit(state, loader, step_fn, epochs=N)`` folds ``state, metrics = step_fn(state, batch)``
 over the batches of epochs ``state.cursor.epoch .. N-1``, starting inside the first one at
 ``state.cursor.position``. After each step it advances the cursor (position, samples seen)
-and emits a :class:`~pimm_fn.events.StepEnd` to the callbacks; at an epoch's end it rolls
+and emits a :class:`~pimm_fn.events.StepEnd` to the callbacks that act on single steps (and
+the steps in :class:`~pimm_fn.events.StepBlock` events to loggers); at an epoch's end it rolls
 the cursor to ``(epoch + 1, 0)``. A restored state alone therefore continues a run, mid-epoch
 included. Metrics stay 0-dim tensors: ``fit`` never pulls a number from them.
 
@@ -36,6 +37,7 @@ __all__ = [
 ]
 
 _END = object()
+_STEP_EVENTS = (ev.StepEnd, ev.StepBlock)
 _NULL = contextlib.nullcontext()
 
 
@@ -58,11 +60,12 @@ class History:
         self._pending: list[tuple[int, Any]] = []
         self._pending_epoch: Optional[int] = None
 
-    def _add(self, epoch: int, step: int, metrics) -> None:
+    def _open(self, epoch: int) -> list:
+        """The list ``fit`` appends ``(step, metrics)`` to during ``epoch``."""
         if self._pending_epoch != epoch:
             self._close()
             self._pending_epoch = epoch
-        self._pending.append((step, metrics))
+        return self._pending
 
     def _close(self) -> Optional[dict]:
         """Stack the pending epoch's metrics into a record; returns its averages (tensors)."""
@@ -288,7 +291,9 @@ def _profiling() -> bool:
 
 
 class _Run:
-    def __init__(self, source, callbacks, *, epochs, guard, trace, history, empty_cache):
+    def __init__(self, source, callbacks, *, epochs, guard, trace, history, empty_cache, block_seconds=0.25):
+        if isinstance(block_seconds, bool) or not isinstance(block_seconds, (int, float)) or block_seconds < 0:
+            raise ValueError(f"block_seconds must be a number of seconds >= 0, got {block_seconds!r}")
         if guard not in ("off", "cheap", "full"):
             raise ValueError(f"guard_state must be 'off', 'cheap' or 'full', got {guard!r}")
         if empty_cache not in (None, "step", "epoch"):
@@ -303,6 +308,12 @@ class _Run:
         self.names = {id(cb): callback_name(cb) for cb in self.callbacks}
         # StepEnd fires every step: it goes only to the callbacks that can act on it.
         self.step_callbacks = tuple(cb for cb in self.callbacks if handles(cb, ev.StepEnd))
+        # Loggers and progress bars take the steps in blocks (events.StepBlock): between
+        # blocks a step costs the run one list append.
+        self.block_callbacks = tuple(cb for cb in self.callbacks if handles(cb, ev.StepBlock))
+        self.block_seconds = float(block_seconds)
+        self.rows: list = []  # the pending block's rows
+        self.block_epoch = 0
         self.source = source
         self.epochs = epochs
         self.guard = guard
@@ -389,6 +400,8 @@ class _Run:
 
         targets: the callbacks ``event`` itself goes to (default: all); emitted events go to all.
         """
+        if self.rows and type(event) not in _STEP_EVENTS:
+            self.flush_block(state)  # writers see every step before the epoch / a save / the end
         first = self.callbacks if targets is None else targets
         if not first:
             return
@@ -425,7 +438,22 @@ class _Run:
         if saves and not terminal and not isinstance(event, ev.SaveRequested):
             self._save(state, saves, snap)
 
+    def flush_block(self, state):
+        """Deliver the pending steps as one StepBlock to the callbacks that take blocks."""
+        rows, self.rows = self.rows, []
+        if not rows or not self.block_callbacks:
+            return
+        c = state.cursor
+        self.dispatch(
+            ev.StepBlock(step=rows[-1][0], epoch=self.block_epoch, samples_seen=c.samples_seen,
+                         iters_per_epoch=self.source.iters_per_epoch, rows=tuple(rows), epochs=self.epochs),
+            state,
+            targets=self.block_callbacks,
+        )
+
     def _save(self, state, saves, snap):
+        if self.rows:
+            self.flush_block(state)
         c = state.cursor
         req = ev.SaveRequested(
             step=self.step, epoch=c.epoch, iteration=c.position, samples_seen=c.samples_seen,
@@ -455,6 +483,11 @@ class _Run:
     def terminal(self, event, state):
         """Deliver a terminal event; every callback gets it even if an earlier one raises."""
         errors = []
+        if self.rows:
+            try:
+                self.flush_block(state)
+            except Exception as err:  # noqa: BLE001 - the terminal event must still go out
+                errors.append((self.block_callbacks[0], err))
         queue = collections.deque([event])
         while queue:
             e = queue.popleft()
@@ -490,16 +523,20 @@ class _Run:
             _close(it)
             return False
         pos, ran, exhausted = start, 0, False
-        history = self.history
+        history_rows = self.history._open(epoch) if self.history is not None else None
         step_fn, samples_in, world = self.step_fn, src.samples_in, src.world_size
         step_callbacks = self.step_callbacks
+        rows = self.rows if self.block_callbacks else None
+        self.block_epoch = epoch
         perf_counter = time.perf_counter
+        next_block = perf_counter() + self.block_seconds
+        tracing = self._tracing()
         try:
             # The per-step path does only what a step needs: at ~0.5 ms a step, every
-            # microsecond here is 0.2% of the run (profiler spans only while one records).
+            # microsecond here is 0.2% of the run, and Python run between compiled steps is
+            # slower than its microbenchmark (cold caches). Loggers get the steps in blocks.
+            t0 = perf_counter()
             while pos < ipe:
-                tracing = self._tracing()
-                t0 = perf_counter()
                 if tracing:
                     with torch.profiler.record_function("data_fetch"):
                         batch = next(it, _END)
@@ -510,11 +547,12 @@ class _Run:
                     self.instant("dataloader_exhausted")
                     break
                 t1 = perf_counter()
+                state = self.state
                 if tracing:
                     with torch.profiler.record_function("step"):
-                        new, metrics = step_fn(self.state, batch)
+                        new, metrics = step_fn(state, batch)
                 else:
-                    new, metrics = step_fn(self.state, batch)
+                    new, metrics = step_fn(state, batch)
                 n = samples_in(batch)  # this rank's samples (the event's batch_size)
                 if "samples" in metrics:
                     # A data-parallel step counts the real samples of all ranks (per-rank
@@ -523,16 +561,18 @@ class _Run:
                     seen = int(metrics["samples"])
                 else:
                     seen = n * world
-                cursor = self.state.cursor
+                cursor = state.cursor
                 new = new.replace(cursor=cursor.replace(position=pos + 1, samples_seen=cursor.samples_seen + seen))
                 # One assignment: an interrupt lands either before the step or after it, never between.
                 self.state, self.step = new, self.step + 1
                 t2 = perf_counter()
                 ran += 1
+                if history_rows is not None:
+                    history_rows.append((self.step, metrics))
+                if rows is not None:
+                    rows.append((self.step, pos, metrics, n, t1 - t0, t2 - t1))
                 if self.empty_cache == "step":
                     torch.cuda.empty_cache()
-                if history is not None:
-                    history._add(epoch, self.step, metrics)
                 if step_callbacks:
                     self.dispatch(
                         ev.StepEnd(
@@ -543,14 +583,26 @@ class _Run:
                         new,
                         targets=step_callbacks,
                     )
+                    tracing = self._tracing()
+                    if rows is not None:
+                        rows = self.rows  # a save it caused delivered the block
                 pos += 1
                 if self.stop_reason is not None:
                     break
+                if t2 >= next_block and rows:
+                    self.flush_block(self.state)
+                    rows = self.rows
+                    tracing = self._tracing()
+                    next_block = perf_counter() + self.block_seconds
+                t0 = t2
         finally:
             _close(it)
         if pos < ipe and not exhausted:
             return False  # stopped mid-epoch: the epoch is not over, no EpochEnd
+        history = self.history
         averages = history._close() if history is not None else None
+        if self.rows:
+            self.flush_block(self.state)
         cursor = self.state.cursor
         self.state = self.state.replace(cursor=cursor.replace(epoch=epoch + 1, position=0))
         if self.empty_cache == "epoch":
@@ -606,6 +658,7 @@ def fit(
     matmul_precision: Optional[str] = None,
     empty_cache: Optional[str] = None,
     trace: Optional[bool] = None,
+    block_seconds: float = 0.25,
 ) -> FitResult:
     """Train ``state`` with ``step_fn`` over ``loader`` up to the absolute horizon ``epochs``.
 
@@ -633,6 +686,9 @@ def fit(
       empty_cache: ``"step"`` or ``"epoch"`` empties the CUDA cache then (no-op without CUDA).
       trace: ``None`` emits ``torch.profiler.record_function`` spans only while a profiler is
         recording; True always; False never.
+      block_seconds: how often the steps go, as one :class:`~pimm_fn.events.StepBlock`, to
+        the callbacks that take blocks (loggers, progress bars); 0 sends a block per step.
+        Blocks are always delivered before EpochEnd, SaveRequested and the end.
 
     Returns:
       :class:`FitResult` (``state, history = fit(...)`` unpacks it). On KeyboardInterrupt the
@@ -642,7 +698,7 @@ def fit(
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
         raise ValueError(f"epochs must be a non-negative int (an absolute horizon), got {epochs!r}")
     run = _Run(_Source(loader, iters_per_epoch), callbacks, epochs=epochs, guard=guard_state, trace=trace,
-               history=history, empty_cache=empty_cache)
+               history=history, empty_cache=empty_cache, block_seconds=block_seconds)
     run.step_fn = step_fn
     run.state = state
     cursor = state.cursor
@@ -694,20 +750,23 @@ def fit_epoch(
     history: bool = True,
     guard_state: str = "cheap",
     trace: Optional[bool] = None,
+    block_seconds: float = 0.25,
 ) -> FitResult:
     """The inner fold: finish the epoch ``state.cursor.epoch`` from ``state.cursor.position``.
 
-    Emits EpochStart, StepEnd..., EpochEnd (no TrainStart / TrainEnd); Interrupted or Failed
+    Emits EpochStart, StepEnd... (and StepBlocks), EpochEnd (no TrainStart / TrainEnd); Interrupted or Failed
     as ``fit`` does. Returns a :class:`FitResult`; its status is ``"completed"`` when the
     epoch ended (cursor rolled to the next epoch) and ``"stopped"`` when a Stop came first.
     """
     run = _Run(_Source(loader, iters_per_epoch), callbacks, epochs=None, guard=guard_state, trace=trace,
-               history=history, empty_cache=None)
+               history=history, empty_cache=None, block_seconds=block_seconds)
     run.step_fn = step_fn
     run.state = state
     run.step = int(state.step)
     try:
         done = run.run_epoch()
+        if run.rows:  # stopped mid-epoch: no EpochEnd delivered the last steps
+            run.flush_block(run.state)
     except BaseException as err:  # noqa: BLE001
         run._fail_or_interrupt(err)
         if isinstance(err, KeyboardInterrupt):

@@ -17,7 +17,8 @@ class MetricsRecord(Callback):
 
     Rows carry the global step; a resumed run may rewrite steps it had already logged
     before a kill, so readers keep the last row per (kind, step) (see :func:`read_records`).
-    Values are read from the host only every ``every_steps`` steps (one sync each).
+    Steps arrive in blocks (:class:`~pimm_fn.events.StepBlock`): one host sync and one
+    write per block.
     """
 
     def __init__(self, path, every_steps: int = 10):
@@ -30,13 +31,23 @@ class MetricsRecord(Callback):
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def on_step_end(self, event, state):
-        if event.step % self.every_steps == 0 or event.is_last:
-            row = {"kind": "train", "step": event.step, "epoch": event.epoch}
-            for k, v in event.metrics.items():
-                if isinstance(v, torch.Tensor) and v.numel() == 1:
-                    row[k] = float(v)
-            self._write(row)
+    def on_step_block(self, event, state):
+        last = event.rows[-1][0] if event.is_last else None
+        picked = [(r[0], r[2]) for r in event.rows if r[0] % self.every_steps == 0 or r[0] == last]
+        if not picked:
+            return
+        values = [[(k, v) for k, v in m.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
+                  for _, m in picked]
+        flat = [v.detach().reshape(()).double() for row in values for _, v in row]
+        numbers = iter(torch.stack(flat).tolist() if flat else [])  # one host sync per block
+        lines = []
+        for (step, _), row in zip(picked, values):
+            out = {"kind": "train", "step": step, "epoch": event.epoch}
+            out.update((k, next(numbers)) for k, _ in row)
+            lines.append(json.dumps(out))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write("\n".join(lines) + "\n")
 
     def on_eval_end(self, event, state):
         self.last_eval = {k: float(v) for k, v in event.metrics.items() if isinstance(v, (int, float))}

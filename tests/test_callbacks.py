@@ -35,9 +35,9 @@ def test_tensorboard_tags_read_back(data, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     val = [{"x": data[0][:16], "y": data[1][:16]}]
-    fit(make_state(), PermLoader(*data), step_fn, epochs=2,
-        callbacks=[TensorBoard(tmp_path, sync_every=3),
-                   Evaluate(_eval_fn, val, metric=M.Accuracy(), every_epochs=1)])
+    res = fit(make_state(), PermLoader(*data), step_fn, epochs=2, block_seconds=0,
+              callbacks=[TensorBoard(tmp_path, sync_every=3),
+                         Evaluate(_eval_fn, val, metric=M.Accuracy(), every_epochs=1)])
     acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -46,6 +46,12 @@ def test_tensorboard_tags_read_back(data, tmp_path):
     assert [s.step for s in acc.Scalars("train/loss")] == [4, 8]
     assert [s.step for s in acc.Scalars("val/acc")] == [4, 8]
     assert acc.Scalars("params/lr")[0].value == pytest.approx(0.05)
+    # each step's own values (one Event is refilled per step: no value may leak between steps)
+    for key in ("loss", "grad_norm"):
+        assert [s.value for s in acc.Scalars(f"train_batch/{key}")] == pytest.approx(
+            res.history.values(key).tolist(), rel=1e-6)
+    assert [s.value for s in acc.Scalars("train/loss")] == pytest.approx(
+        [e["loss"] for e in res.history.epoch_averages()], rel=1e-6)
 
 
 def test_tensorboard_every_n_steps(data, tmp_path):

@@ -335,3 +335,71 @@ def test_run_switches_and_profiler_spans(data, tmp_path):
     for want in ("data_fetch", "step", "callback.Trace.StepEnd", "callback.Checkpoint.SaveRequested",
                  "checkpoint.save", "instant.training_start", "instant.training_end"):
         assert any(n.startswith(want) for n in names), want
+
+
+class _Blocks(Callback):
+    """Records StepBlocks and, for order, every other event it is sent."""
+
+    def __init__(self):
+        self.log = []
+
+    def on_step_block(self, e, s):
+        self.log.append(("block", e.steps, e.epoch, e.samples_seen, e.is_last, len(e)))
+
+    def __call__(self, e, s):
+        if not isinstance(e, (ev.StepBlock, ev.StepEnd)):
+            self.log.append((type(e).__name__,))
+        return super().__call__(e, s)
+
+    def blocks(self):
+        return [x for x in self.log if x[0] == "block"]
+
+
+def test_step_blocks_carry_every_step_once_before_epoch_end_and_the_end(data):
+    blocks, plain, steps_seen = _Blocks(), Recorder(), []
+    res = fit(make_state(), PermLoader(*data), step_fn, epochs=2, callbacks=[blocks, plain], block_seconds=3600)
+    # one block per epoch (the interval never elapses), delivered just before EpochEnd
+    assert [b[1] for b in blocks.blocks()] == [tuple(range(1, 7)), tuple(range(7, 13))]
+    kinds = [x[0] for x in blocks.log]
+    assert kinds == ["TrainStart", "EpochStart", "block", "EpochEnd", "EpochStart", "block", "EpochEnd", "TrainEnd"]
+    assert [b[2] for b in blocks.blocks()] == [0, 1] and blocks.blocks()[-1][4] and not blocks.blocks()[0][4]
+    assert blocks.blocks()[0][3] == 48  # samples seen after the block's last step
+    # a plain callable is not sent blocks (they repeat its StepEnds)
+    assert "StepBlock" not in plain.kinds() and plain.kinds().count("StepEnd") == 12
+    # block_seconds=0: a block per step, each right after its step
+    per_step = _Blocks()
+    fit(make_state(), PermLoader(*data), step_fn, epochs=1, callbacks=[per_step], block_seconds=0)
+    assert [b[1] for b in per_step.blocks()] == [(i,) for i in range(1, 7)]
+    # on(StepBlock) filters opt in too
+    got = []
+    fit(make_state(), PermLoader(*data), step_fn, epochs=1, block_seconds=3600,
+        callbacks=[on(ev.StepBlock)(lambda e, s: got.extend(e.steps))])
+    assert got == list(range(1, 7))
+    assert int(res.state.step) == 12
+    with pytest.raises(ValueError, match="block_seconds"):
+        fit(make_state(), PermLoader(*data), step_fn, epochs=1, block_seconds=-1)
+
+
+def test_step_blocks_reach_writers_before_a_save_a_stop_and_an_interrupt(data, tmp_path):
+    # a mid-epoch save request: the block comes first, so writers flush what the checkpoint covers
+    blocks = _Blocks()
+    with pytest.warns(UserWarning, match="no callback saved a checkpoint"):
+        fit(make_state(), PermLoader(*data), step_fn, epochs=1, block_seconds=3600,
+            callbacks=[blocks, on(ev.StepEnd, once=4)(lambda e, s: ev.SaveNow("test"))])
+    log = blocks.log
+    assert log.index(("SaveRequested",)) == log.index(("block", (1, 2, 3, 4), 0, 32, False, 4)) + 1
+    # a mid-epoch stop under fit_epoch (no TrainEnd follows) still delivers its steps
+    blocks = _Blocks()
+    res = fit_epoch(make_state(), PermLoader(*data), step_fn, block_seconds=3600,
+                    callbacks=[blocks, on(ev.StepEnd, once=3)(lambda e, s: ev.Stop())])
+    assert res.status == "stopped" and [b[1] for b in blocks.blocks()] == [(1, 2, 3)]
+    # KeyboardInterrupt mid-epoch: the completed steps arrive before Interrupted
+    blocks = _Blocks()
+
+    def interrupt(e, s):
+        raise KeyboardInterrupt
+
+    res = fit(make_state(), PermLoader(*data), step_fn, epochs=1, block_seconds=3600,
+              callbacks=[blocks, on(ev.StepEnd, once=2)(interrupt)])
+    assert res.status == "interrupted" and int(res.state.step) == 2
+    assert [x[0] for x in blocks.log][-2:] == ["block", "Interrupted"] and blocks.blocks()[-1][1] == (1, 2)

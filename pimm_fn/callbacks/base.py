@@ -15,6 +15,7 @@ _METHODS = {
     ev.TrainStart: "on_train_start",
     ev.EpochStart: "on_epoch_start",
     ev.StepEnd: "on_step_end",
+    ev.StepBlock: "on_step_block",
     ev.EvalEnd: "on_eval_end",
     ev.EpochEnd: "on_epoch_end",
     ev.SaveRequested: "on_save_requested",
@@ -34,7 +35,9 @@ class Callback:
     ``state_dict`` / ``load_state_dict``: what :class:`Checkpoint` stores for this callback
     and :func:`pimm_fn.callbacks.resume` restores (override both or neither).
     ``wants(event_type)``: optional; returning False for ``StepEnd`` takes the callback off
-    the per-step path (a callback acting every n-th step still wants it).
+    the per-step path (a callback acting every n-th step still wants it). A callback that
+    only records or shows steps (a logger, a progress bar) should take ``StepBlock`` events
+    (``on_step_block``) instead: fit delivers them a few times a second.
     """
 
     order: int = 0
@@ -49,6 +52,7 @@ class Callback:
     def on_train_start(self, event, state): ...
     def on_epoch_start(self, event, state): ...
     def on_step_end(self, event, state): ...
+    def on_step_block(self, event, state): ...
     def on_eval_end(self, event, state): ...
     def on_epoch_end(self, event, state): ...
     def on_save_requested(self, event, state): ...
@@ -72,17 +76,23 @@ def handles(cb, event_type: type) -> bool:
 
     A :class:`Callback` that overrides neither ``__call__`` nor the event's ``on_*`` method
     ignores it, and so does an :func:`on` filter for another event type; a callback with a
-    ``wants(event_type)`` method says itself; any other callable may act on anything.
+    ``wants(event_type)`` method says itself; any other callable may act on anything, except
+    :class:`~pimm_fn.events.StepBlock`, which is opt-in (it repeats what StepEnd said).
     """
     if isinstance(cb, _Filtered):
         return cb.event_type is event_type
     wants = getattr(cb, "wants", None)
     if callable(wants):
         return bool(wants(event_type))
-    if isinstance(cb, Callback) and type(cb).__call__ is Callback.__call__:
-        name = _METHODS.get(event_type)
-        return name is None or getattr(type(cb), name) is not getattr(Callback, name)
-    return True
+    name = _METHODS.get(event_type)
+    if isinstance(cb, Callback):
+        overrides = name is not None and getattr(type(cb), name) is not getattr(Callback, name)
+        if event_type is ev.StepBlock:
+            return overrides
+        if type(cb).__call__ is Callback.__call__:
+            return name is None or overrides
+        return True
+    return event_type is not ev.StepBlock
 
 
 def callback_name(cb) -> str:

@@ -71,6 +71,9 @@ class Evaluate(Callback):
         return ev.EvalEnd(step=event.step, epoch=event.epoch,
                           name=self.name, metrics=metrics, samples=n)
 
+    def wants(self, event_type) -> bool:
+        return event_type is not ev.StepEnd or bool(self.every_steps)
+
     def on_step_end(self, event, state):
         if due(event.step, self.every_steps):
             return self._run(event, state)

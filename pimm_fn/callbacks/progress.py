@@ -11,8 +11,9 @@ class ProgressBar(Callback):
     """An epoch bar (position 0) over a step bar (position 1) with steps/s, ETA and metrics.
 
     The step bar is reset each epoch (not re-created), so a terminal keeps exactly two lines
-    and a notebook two widgets. The metrics shown (``metrics``, default the loss) are pulled
-    at most every ``refresh_seconds``: one host sync per refresh, not per step. Print from
+    and a notebook two widgets. It takes the steps in blocks (``fit(block_seconds=...)``)
+    and refreshes at most every ``refresh_seconds``; the metrics shown (``metrics``, default
+    the loss) are pulled then: one host sync per refresh, not per step. Print from
     other code with ``tqdm.write`` to keep the bars intact.
     """
 
@@ -54,19 +55,20 @@ class ProgressBar(Callback):
             if event.iteration:
                 self.step_bar.update(event.iteration)
 
-    def on_step_end(self, event, state):
+    def on_step_block(self, event, state):
         bar = self.step_bar
         if bar is None:
             return
-        # tqdm's own update costs microseconds per call; count here and hand it the steps at
-        # most every refresh_seconds (a fast step would otherwise pay ~3% for its bar).
-        self._unshown += 1
+        # fit hands the steps over a few times a second (StepBlock); tqdm gets them at most
+        # every refresh_seconds, with the block's last metrics (one host sync per refresh).
+        self._unshown += len(event.rows)
         now = time.monotonic()
         if now - self._shown < self.refresh_seconds:
             return
         self._shown = now
-        if self.metrics:
-            shown = {k: f"{float(event.metrics[k]):.4g}" for k in self.metrics if k in event.metrics}
+        if self.metrics and event.rows:
+            last = event.rows[-1][2]
+            shown = {k: f"{float(last[k]):.4g}" for k in self.metrics if k in last}
             if shown:
                 bar.set_postfix(shown, refresh=False)
         bar.update(self._unshown)
