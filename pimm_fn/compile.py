@@ -10,7 +10,9 @@ those leaves, and hands back the state with the key advanced and the cursor unto
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -149,9 +151,16 @@ class CompiledStep:
 
     def __init__(self, step: Step, *, eager: bool = False, dynamic: Optional[bool] = None,
                  mode: Optional[str] = None, options: Optional[dict] = None,
-                 recompile_limit: Optional[int] = None):
+                 recompile_limit: Optional[int] = None, cache=None):
+        from . import step_cache
+
         self.step = step
         self.eager = eager
+        self.cache_dir = None if eager else step_cache.resolve_dir(cache)
+        self.cache_path: Optional[str] = None  # the artifact this step was loaded from or saved to
+        self.loaded_from_cache = False
+        self._precompiled = None  # the cached (loaded or just saved) step, until its guards reject an input
+        self._settings = repr((dynamic, mode, sorted((options or {}).items()), recompile_limit))
         self.compile_count = 0
         self.recompile_reasons: list[str] = []
         self.compile_seconds: list[float] = []
@@ -178,12 +187,15 @@ class CompiledStep:
                 self.recompile_reasons.extend(self._pending_reasons or ["unknown"])
             return compile_fx(gm, example_inputs, config_patches=patches or None)
 
+        self._backend = backend
+
         def on_guard_fail(failure):
             # Dynamo calls this before it re-traces: the one moment besides the first call
             # at which tracing needs the autograd flag (see __call__).
             self._pending_reasons.append(str(failure.reason))
             self._allow_autograd_tracing()
 
+        self._dynamic = dynamic
         self._core = torch._dynamo.optimize(
             backend, nopython=True, dynamic=dynamic, guard_fail_fn=on_guard_fail,
             recompile_limit=recompile_limit, isolate_recompiles=True,
@@ -206,16 +218,28 @@ class CompiledStep:
         if not self._traced_once:
             self._allow_autograd_tracing()
         try:
-            try:
-                new_state, metrics = _run_core(self._core, state, batch)
-            except torch._dynamo.exc.Unsupported as err:
-                # A re-trace dynamo started without a guard failure reaching guard_fail_fn
-                # (e.g. a new model on a shared step) meets autograd.grad with the flag off:
-                # the failed trace left no cache entry, so trace again with it on.
-                if self._flag_set or "trace_autograd_ops" not in str(err):
-                    raise
-                self._allow_autograd_tracing()
-                new_state, metrics = _run_core(self._core, state, batch)
+            if self.cache_dir is not None and not self._traced_once:
+                self._precompiled = self._from_cache(state, batch)
+            out = None
+            if self._precompiled is not None:
+                try:
+                    out = _run_core(self._precompiled, state, batch)
+                except RuntimeError as err:
+                    from . import step_cache
+
+                    if not step_cache.is_guard_failure(err):
+                        raise
+                    # A new shape or dtype: from now on the step compiles as without a cache.
+                    reason = f"the cached step's guards rejected the input: {err}"[:500]
+                    # The backend records reasons from the second compile on; a loaded step's
+                    # first compile is this one.
+                    (self.recompile_reasons if self.compile_count == 0 else self._pending_reasons).append(reason)
+                    self._precompiled = None
+                    self._allow_autograd_tracing()
+            if out is not None:
+                new_state, metrics = out
+            else:
+                new_state, metrics = self._run_dynamo(state, batch)
         except torch._dynamo.exc.Unsupported as compile_error:
             # Dynamo reports a user error raised while tracing (a missing "loss", a shape
             # mismatch) as "Observed exception". Running the pure core eagerly once turns
@@ -236,6 +260,48 @@ class CompiledStep:
             _check_finite(self.step, state, metrics)
         return new_state, metrics
 
+    def _run_dynamo(self, state: TrainState, batch):
+        try:
+            return _run_core(self._core, state, batch)
+        except torch._dynamo.exc.Unsupported as err:
+            # A re-trace dynamo started without a guard failure reaching guard_fail_fn
+            # (e.g. a new model on a shared step) meets autograd.grad with the flag off:
+            # the failed trace left no cache entry, so trace again with it on.
+            if self._flag_set or "trace_autograd_ops" not in str(err):
+                raise
+            self._allow_autograd_tracing()
+            return _run_core(self._core, state, batch)
+
+    def _from_cache(self, state: TrainState, batch):
+        """The step from the disk cache, or compiled now through dynamo's precompile API and
+        saved there. None when the step cannot be precompiled (it then compiles as usual)."""
+        from . import step_cache
+
+        start = time.perf_counter()
+        inner = state.replace(rng=None, cursor=None)
+        key = hashlib.sha256("|".join((
+            step_cache.fingerprint(self.step.core, state), step_cache.leaves_key(inner, batch), self._settings,
+        )).encode()).hexdigest()
+        path = step_cache.artifact_path(self.cache_dir, self.step.name, key)
+        self.cache_path = str(path)
+        if path.exists():
+            try:
+                fn = step_cache.load(path)
+                self.loaded_from_cache = True
+                self.compile_seconds.append(time.perf_counter() - start)
+                return fn
+            except Exception as err:  # noqa: BLE001 - a damaged or foreign file: compile instead
+                warnings.warn(f"the cached step {path} could not be loaded ({type(err).__name__}: {err}); "
+                              "compiling it again and replacing the file", RuntimeWarning, stacklevel=3)
+        compiled = torch.compile(self.step.core, fullgraph=True, backend=self._backend, dynamic=self._dynamic)
+        fn = compiled.aot_compile(((inner, batch), {}))
+        try:
+            step_cache.save(fn, path)
+        except Exception as err:  # noqa: BLE001 - a read-only or full disk: run without saving
+            warnings.warn(f"could not save the compiled step to {path} ({type(err).__name__}: {err}); "
+                          "the next process compiles it again", RuntimeWarning, stacklevel=3)
+        return fn
+
     @property
     def name(self) -> str:
         return self.step.name
@@ -246,7 +312,7 @@ class CompiledStep:
 
 def compile_step(step_fn, *, eager: bool = False, dynamic: Optional[bool] = None,
                  mode: Optional[str] = None, options: Optional[dict] = None,
-                 recompile_limit: Optional[int] = None) -> CompiledStep:
+                 recompile_limit: Optional[int] = None, cache=None) -> CompiledStep:
     """Compile a step with ``torch.compile(fullgraph=True)`` semantics.
 
     step_fn: a :class:`Step` or a plain core function over TrainState.
@@ -254,10 +320,14 @@ def compile_step(step_fn, *, eager: bool = False, dynamic: Optional[bool] = None
     dynamic: torch.compile's ``dynamic``; the default (None) compiles static first and
         makes a varying dimension (the point count) dynamic on the first recompile.
     mode / options: inductor mode (e.g. "max-autotune") and config patches.
+    cache: True (``~/.cache/pimm_fn/steps``, or under ``$XDG_CACHE_HOME``) or a folder: the
+        first call's compiled step is saved there and a later process with the same step,
+        model, optimizer and input shapes loads it instead of tracing again (see
+        :mod:`pimm_fn.step_cache`; ~1 s instead of ~3 s for a small step). Off by default.
     Any graph break is an error (``fullgraph``), naming the offending operation.
     """
     return CompiledStep(as_step(step_fn), eager=eager, dynamic=dynamic, mode=mode,
-                        options=options, recompile_limit=recompile_limit)
+                        options=options, recompile_limit=recompile_limit, cache=cache)
 
 
 def explain_step(step_fn, state: TrainState, batch):

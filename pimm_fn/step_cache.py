@@ -1,0 +1,264 @@
+"""A disk cache of compiled steps: a second process loads the step instead of tracing it.
+
+``compile_step(step, cache=True)`` (or ``cache=DIR``) compiles the step's first call with
+dynamo's precompile API (``torch.compile(...).aot_compile``), saves the result under a key,
+and a later process with the same key loads it (``torch.compiler.load_compiled_function``)
+without running dynamo or AOTAutograd again. The kernels themselves are the inductor
+cache's (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_$USER``); without them
+a load still works and compiles the kernels again.
+
+The key is what the artifact was specialised on. dynamo's own guards (kept in the
+artifact) cover the tensors' shapes, dtypes and devices and the module's structure; they
+do not cover values captured by the step's closures (``clip_grad``, the schedule's
+constants, the optimizer's hyperparameters), so the key hashes those too:
+:func:`fingerprint` walks the step core and the optimizer through their closures,
+defaults and the globals their code names, down to numbers, strings and tensor values,
+plus the model's class sources, repr and train/eval flags, pimm_fn's own sources, torch's
+version and config, and the CPU. A value the walk cannot read is hashed by its repr, so
+an unknown object at worst costs a cache miss, never a stale load.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import os
+import pathlib
+import re
+import types
+from typing import Any, Optional
+
+import torch
+
+_MAX_DEPTH = 40
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def default_dir() -> pathlib.Path:
+    """``$XDG_CACHE_HOME/pimm_fn/steps`` (default ``~/.cache/pimm_fn/steps``)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(root) / "pimm_fn" / "steps"
+
+
+def resolve_dir(cache) -> Optional[pathlib.Path]:
+    """``cache`` as given to compile_step: None/False (off), True (the default folder) or a folder."""
+    if cache is None or cache is False:
+        return None
+    if cache is True:
+        return default_dir()
+    if isinstance(cache, (str, os.PathLike)):
+        return pathlib.Path(cache)
+    raise TypeError(f"compile_step(cache=...) takes True, False/None or a folder path, got {cache!r}")
+
+
+@functools.cache
+def _package_sources() -> str:
+    h = hashlib.sha256()
+    root = pathlib.Path(__file__).resolve().parent
+    for p in sorted(root.rglob("*.py")):
+        h.update(str(p.relative_to(root)).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+class _Hasher:
+    """Feeds a value's meaning (not its identity) into a sha256, following functions' closures."""
+
+    def __init__(self):
+        self.h = hashlib.sha256()
+        self._seen: set = set()
+
+    def text(self, s: str) -> None:
+        self.h.update(s.encode("utf-8", "backslashreplace"))
+        self.h.update(b"\0")
+
+    def value(self, obj: Any, depth: int = 0) -> None:
+        if depth > _MAX_DEPTH:
+            self.text(f"<too deep {type(obj).__qualname__}>")
+            return
+        if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+            self.text(f"{type(obj).__name__}:{obj!r}")
+            return
+        if isinstance(obj, (torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format)):
+            self.text(repr(obj))
+            return
+        if id(obj) in self._seen:
+            self.text("<seen>")
+            return
+        self._seen.add(id(obj))
+        d = depth + 1
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            self.text(f"tensor:{t.dtype}:{tuple(t.shape)}:{t.device}:{t.requires_grad}")
+            if t.device.type != "meta":
+                self.h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(obj, (tuple, list)):
+            self.text(f"{type(obj).__qualname__}[{len(obj)}]")
+            for x in obj:
+                self.value(x, d)
+        elif isinstance(obj, (set, frozenset)):
+            self.text(f"set[{len(obj)}]")
+            for x in sorted(obj, key=repr):
+                self.value(x, d)
+        elif isinstance(obj, dict):
+            self.text(f"dict[{len(obj)}]")
+            for k in sorted(obj, key=repr):
+                self.value(k, d)
+                self.value(obj[k], d)
+        elif isinstance(obj, types.FunctionType):
+            self.function(obj, d)
+        elif isinstance(obj, types.MethodType):
+            self.value(obj.__func__, d)
+            self.value(obj.__self__, d)
+        elif isinstance(obj, functools.partial):
+            self.text("partial")
+            self.value(obj.func, d)
+            self.value(obj.args, d)
+            self.value(obj.keywords, d)
+        elif isinstance(obj, types.ModuleType):
+            self.text(f"module:{obj.__name__}")
+        elif isinstance(obj, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+            self.text(f"builtin:{getattr(obj, '__module__', '')}.{obj.__qualname__}")
+        elif isinstance(obj, type):
+            self.cls(obj, d)
+        elif isinstance(obj, torch.nn.Module):
+            self.module(obj, d)
+        else:
+            self.instance(obj, d)
+
+    def code(self, code: types.CodeType, fn_globals: dict, depth: int) -> None:
+        self.text(f"code:{code.co_qualname if hasattr(code, 'co_qualname') else code.co_name}")
+        self.h.update(code.co_code)
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                self.code(c, fn_globals, depth + 1)
+            else:
+                self.value(c, depth + 1)
+        # The globals the code reads (a module-level constant or helper changes the step too).
+        for name in code.co_names:
+            if name in fn_globals:
+                self.text(f"global:{name}")
+                self.value(fn_globals[name], depth + 1)
+
+    def function(self, fn: types.FunctionType, depth: int) -> None:
+        self.text(f"function:{fn.__module__}.{fn.__qualname__}")
+        self.code(fn.__code__, fn.__globals__, depth)
+        self.value(fn.__defaults__, depth)
+        self.value(fn.__kwdefaults__, depth)
+        for cell in fn.__closure__ or ():
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell
+                self.text("<empty cell>")
+                continue
+            self.value(contents, depth)
+
+    def cls(self, cls: type, depth: int) -> None:
+        self.text(f"class:{cls.__module__}.{cls.__qualname__}")
+        if cls.__module__.split(".")[0] in ("torch", "builtins", "typing", "collections", "abc", "enum"):
+            return  # torch's version and the interpreter are in the key already
+        for name, member in sorted(vars(cls).items()):
+            if name.startswith("__") and name != "__call__":
+                continue  # generated plumbing (attrs' __init__/__hash__ carry per-process values)
+            if isinstance(member, (types.FunctionType, staticmethod, classmethod, property)):
+                fn = getattr(member, "__func__", None) or getattr(member, "fget", None) or member
+                if isinstance(fn, types.FunctionType):
+                    self.text(f"member:{name}")
+                    self.function(fn, depth + 1)
+            elif not name.startswith("__"):
+                self.text(f"attr:{name}")
+                self.value(member, depth + 1)
+
+    def module(self, m: torch.nn.Module, depth: int) -> None:
+        # Structure, hyperparameters (repr) and train/eval flags; the weights are state leaves.
+        self.text(f"nn:{repr(m)}")
+        self.text(repr(sorted((n, s.training) for n, s in m.named_modules())))
+        for sub in {type(s) for s in m.modules()}:
+            for klass in sub.__mro__:
+                if klass.__module__.startswith("torch."):
+                    break
+                self.cls(klass, depth)
+        extra = {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training"}
+        self.value(extra, depth)
+
+    def instance(self, obj: Any, depth: int) -> None:
+        cls = type(obj)
+        self.cls(cls, depth)
+        fields = getattr(obj, "__dict__", None)
+        slots = [s for k in cls.__mro__ for s in getattr(k, "__slots__", ()) if isinstance(s, str)]
+        if fields is None and not slots:
+            # Unknown: a changed repr is a miss, never a stale hit (addresses left out).
+            self.text("repr:" + _ADDRESS.sub("", repr(obj)))
+            return
+        if fields is not None:
+            self.value(dict(fields), depth)
+        for s in slots:
+            if s not in ("__dict__", "__weakref__") and hasattr(obj, s):
+                self.text(f"slot:{s}")
+                self.value(getattr(obj, s), depth)
+
+
+def fingerprint(core, state) -> str:
+    """A hex digest that changes whenever something baked into a compiled step changes."""
+    from . import isa_memo
+
+    h = _Hasher()
+    h.text(f"torch:{torch.__version__}")
+    h.text(f"pimm_fn:{_package_sources()}")
+    h.text(f"cpu:{torch.backends.cpu.get_cpu_capability()}:{isa_memo.cpu_features()}")
+    h.text(f"threads:{torch.get_num_threads()}:{torch.get_float32_matmul_precision()}:"
+           f"{torch.are_deterministic_algorithms_enabled()}")
+    for config in (torch._dynamo.config, torch._inductor.config):
+        try:
+            h.value(config.save_config_portable())  # dicts and sets in a stable order
+        except Exception:  # noqa: BLE001 - an older or newer config API: hash what repr says
+            h.text(_ADDRESS.sub("", repr(config)))
+    h.value(core)
+    h.value(state.model)
+    h.value(state.tx)
+    h.value(state.loss_scale is None)
+    return h.h.hexdigest()
+
+
+def leaves_key(inner_state, batch) -> str:
+    """Paths, shapes, dtypes, strides and devices of the traced inputs."""
+    import optree
+
+    from .tree import NAMESPACE
+
+    paths, leaves, _ = optree.tree_flatten_with_path((inner_state, batch), namespace=NAMESPACE)
+    parts = []
+    for p, leaf in zip(paths, leaves):
+        if isinstance(leaf, torch.Tensor):
+            parts.append((str(p), tuple(leaf.shape), str(leaf.dtype), tuple(leaf.stride()), str(leaf.device),
+                          leaf.requires_grad))
+        else:
+            parts.append((str(p), type(leaf).__name__, repr(leaf)))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def artifact_path(directory: pathlib.Path, name: str, key: str) -> pathlib.Path:
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)[:40] or "step"
+    return directory / f"{safe}-{key[:32]}.pt2step"
+
+
+def save(compiled, path: pathlib.Path) -> None:
+    """Write the artifact atomically: a killed writer leaves no half file under the key."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        compiled.save_compiled_function(str(tmp))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def load(path: pathlib.Path):
+    with open(path, "rb") as f:
+        return torch.compiler.load_compiled_function(f)
+
+
+def is_guard_failure(err: BaseException) -> bool:
+    """A loaded artifact called on inputs its guards reject (a new shape or dtype)."""
+    return isinstance(err, RuntimeError) and "GuardManager check failed" in str(err)

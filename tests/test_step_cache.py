@@ -1,0 +1,102 @@
+"""compile_step(cache=...): a compiled step saved to disk and loaded by the next CompiledStep."""
+import pytest
+import torch
+
+from pimm_fn import TrainState, compile_step, optim, schedules, steps
+from pimm_fn import step_cache
+from pimm_fn.models import MLPClassifier
+
+THRESHOLD = 1e-3  # a module-level constant the user core below reads
+
+
+def _state(lr=1e-3, wd=0.01, hidden=32, seed=0):
+    torch.manual_seed(seed)
+    model = MLPClassifier(8, 3, hidden=(hidden,))
+    return TrainState.create(model, optim.adamw(schedules.one_cycle(100, lr), weight_decay=wd), seed=seed)
+
+
+def _batch(n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(n, 8, generator=g), "y": torch.randint(0, 3, (n,), generator=g)}
+
+
+def _run(step, state, batches):
+    for b in batches:
+        state, metrics = step(state, b)
+    return state, metrics
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("step_cache")
+    step = compile_step(steps.supervised(clip_grad=1.0), cache=folder)
+    state, metrics = _run(step, _state(), [_batch(seed=i) for i in range(3)])
+    return folder, step, state, metrics
+
+
+def test_a_second_step_loads_the_saved_one_and_matches_bitwise(saved):
+    folder, first, state_a, metrics_a = saved
+    assert not first.loaded_from_cache and first.compile_count == 1
+    files = list(folder.iterdir())
+    assert [f.name for f in files] == [first.cache_path.split("/")[-1]]
+    again = compile_step(steps.supervised(clip_grad=1.0), cache=folder)
+    state_b, metrics_b = _run(again, _state(), [_batch(seed=i) for i in range(3)])
+    assert again.loaded_from_cache and again.compile_count == 0 and again.cache_path == first.cache_path
+    for k in state_a.params:
+        assert torch.equal(state_a.params[k], state_b.params[k])
+    assert all(torch.equal(metrics_a[k], metrics_b[k]) for k in metrics_a)
+    assert state_b.rng == state_a.rng and int(state_b.step) == 3
+    # inputs its guards reject (a new batch size) compile as without a cache, and agree with eager
+    b = _batch(n=10, seed=7)
+    new, m = again(state_b, b)
+    ref, m_ref = steps.supervised(clip_grad=1.0)(state_b, b)
+    assert again.compile_count == 1 and "guards rejected" in again.recompile_reasons[0]
+    assert torch.allclose(m["loss"], m_ref["loss"], atol=1e-6)
+
+
+def test_anything_baked_into_the_step_changes_the_key():
+    core = steps.supervised(clip_grad=1.0).core
+    base = step_cache.fingerprint(core, _state())
+    assert step_cache.fingerprint(steps.supervised(clip_grad=1.0).core, _state()) == base
+    assert step_cache.fingerprint(core, _state(seed=3)) == base  # weights and seeds are inputs, not code
+    changed = {
+        "clip_grad": step_cache.fingerprint(steps.supervised(clip_grad=0.5).core, _state()),
+        "lr": step_cache.fingerprint(core, _state(lr=1e-2)),
+        "weight decay": step_cache.fingerprint(core, _state(wd=0.1)),
+        "width": step_cache.fingerprint(core, _state(hidden=16)),
+        "accumulate": step_cache.fingerprint(steps.supervised(clip_grad=1.0, accumulate=2).core, _state()),
+        "loss key": step_cache.fingerprint(steps.supervised(clip_grad=1.0, loss_key="nll").core, _state()),
+    }
+    evaluating = _state()
+    evaluating.model.eval()
+    changed["eval mode"] = step_cache.fingerprint(core, evaluating)
+    for what, key in changed.items():
+        assert key != base, what
+
+    def user_core(state, batch):
+        return state, {"t": torch.tensor(THRESHOLD)}
+
+    before = step_cache.fingerprint(user_core, _state())
+    globals()["THRESHOLD"] = 2e-3
+    try:
+        assert step_cache.fingerprint(user_core, _state()) != before  # a global the code reads
+    finally:
+        globals()["THRESHOLD"] = 1e-3
+    inner = _state().replace(rng=None, cursor=None)
+    assert step_cache.leaves_key(inner, _batch(16)) != step_cache.leaves_key(inner, _batch(8))
+    assert step_cache.leaves_key(inner, _batch(16)) == step_cache.leaves_key(inner, _batch(16, seed=5))
+
+
+def test_a_damaged_file_is_compiled_again_and_replaced(saved, tmp_path):
+    folder, first, _, _ = saved
+    broken = tmp_path / "c"
+    broken.mkdir()
+    target = broken / first.cache_path.split("/")[-1]
+    target.write_bytes(b"not a compiled step")
+    step = compile_step(steps.supervised(clip_grad=1.0), cache=broken)
+    with pytest.warns(RuntimeWarning, match="could not be loaded"):
+        step(_state(), _batch())
+    assert not step.loaded_from_cache and step.compile_count == 1
+    assert target.read_bytes() != b"not a compiled step"
+    with pytest.raises(TypeError, match="cache"):
+        compile_step(steps.supervised(), cache=3)
