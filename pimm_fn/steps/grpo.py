@@ -156,6 +156,7 @@ def grpo_objective(
     kl_estimator: str = "k3",
     level: str = "token",
     reduction: str = "sequence",
+    max_length: Optional[float] = None,
 ) -> LossFn:
     """The default GRPO loss: :func:`pimm_fn.rl.grpo_loss` over one micro-batch.
 
@@ -170,7 +171,7 @@ def grpo_objective(
         return rl.grpo_loss(
             out["logp"], chunk["logp_old"], chunk["logp_ref"], chunk["advantages"], chunk["mask"],
             clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, kl_estimator=kl_estimator,
-            level=level, reduction=reduction,
+            level=level, reduction=reduction, max_length=max_length,
         )
 
     return loss
@@ -433,6 +434,7 @@ def grpo(
     kl_estimator: str = "k3",
     level: str = "token",
     reduction: str = "sequence",
+    max_length: Optional[float] = None,
     advantage: Union[str, Callable] = "grpo",
     gamma: float = 1.0,
     eps: float = 1e-6,
@@ -456,8 +458,13 @@ def grpo(
     microbatch_size: M trajectories per micro-batch (0 = whole rollout); chunks never
         cross an input's group; weights count / total make the update exact.
     kl_coef: 0 runs no reference pass; otherwise the state needs :func:`with_reference`.
-    reduction: "sequence" weights micro-batches by trajectories, "token" by valid steps
-        (pass the same reduction your custom loss averages with).
+    reduction: how the loss averages steps (:func:`pimm_fn.rl.masked_mean`): "sequence"
+        (GRPO), "token" (DAPO) or "constant" (Dr. GRPO: each trajectory's sum over its
+        steps divided by ``max_length``). "sequence" and "constant" weight micro-batches by
+        trajectories, "token" by valid steps (pass the same reduction your custom loss
+        averages with).
+    max_length: the constant divisor of ``reduction="constant"`` (e.g. the maximum
+        generation length); None uses the rollout's padded length T.
     advantage: "grpo", "dr_grpo" (no std scaling), "rloo", "step" (per-step rewards,
         :func:`pimm_fn.rl.step_advantages` with ``gamma``) or ``fn(rewards, mask) -> [N]/[N, T]``.
     clip_grad: max global gradient norm per update, or None.
@@ -474,12 +481,11 @@ def grpo(
         raise ValueError(f"microbatch_size must be >= 0 (0 = no splitting), got {microbatch_size}")
     if not callable(advantage) and advantage not in _ADVANTAGES:
         raise ValueError(f"advantage must be one of {_ADVANTAGES} or a callable, got {advantage!r}")
-    if reduction not in ("sequence", "token"):
-        raise ValueError(f"reduction must be 'sequence' or 'token', got {reduction!r}")
+    rl._check_reduction(reduction, max_length)
     if not callable(sample):
         raise TypeError("sample must be a function sample(policy, batch, group_size) -> Rollout")
     if loss is None:
-        loss = grpo_objective(clip_low, clip_high, kl_coef, kl_estimator, level, reduction)
+        loss = grpo_objective(clip_low, clip_high, kl_coef, kl_estimator, level, reduction, max_length)
     return GRPOStep(
         sample=sample, reward=reward, group_size=int(group_size), log_prob=log_prob, loss=loss,
         policy_updates=int(policy_updates), microbatch_size=int(microbatch_size),
