@@ -369,6 +369,13 @@ class GRPOStep:
                 "a GRPO step has a host rollout phase and cannot be compiled whole; use "
                 "step.compile() (compiles the update core) or compile_step(step.update)"
             )
+        update_state, ro = self._host_phase(state, batch)
+        new_state, metrics = self._update_fn(update_state, ro)
+        metrics = {**metrics, **ro.metrics}
+        return new_state.replace(rng=state.rng.next(), cursor=state.cursor), metrics
+
+    def _host_phase(self, state: TrainState, batch):
+        """The rollout a call makes for ``(state, batch)`` and the state its update core gets."""
         if not isinstance(state, TrainState):
             raise TypeError(f"a step takes a TrainState as its first argument, got {type(state).__name__}")
         if state.loss_scale is not None:
@@ -378,9 +385,16 @@ class GRPOStep:
         # The update core gets its own key, split off this step's key, so randomness inside
         # it (dropout) does not replay the sampling stream; the state keeps the parent key.
         sub = RngKey(seed=state.rng.step_seed(), counter=0)
-        new_state, metrics = self._update_fn(state.replace(rng=sub), ro)
-        metrics = {**metrics, **ro.metrics}
-        return new_state.replace(rng=state.rng.next(), cursor=state.cursor), metrics
+        return state.replace(rng=sub), ro
+
+    def explain_inputs(self, state: TrainState, batch):
+        """``(update core, its state, its rollout)``: what ``explain_step`` traces for this step.
+
+        The rollout is host code (any Python) and is never compiled; the update core is,
+        so its graph breaks are the step's. Runs the rollout exactly as a call would.
+        """
+        update_state, ro = self._host_phase(state, batch)
+        return self.update, update_state, ro
 
     def compile(self, **compile_kwargs) -> "GRPOStep":
         """The same step with its update core compiled by ``compile_step`` (fullgraph).
