@@ -14,7 +14,8 @@ Replaces the seed's GRPOTrainer (seed-behaviour.md items 14-18). One call
    rollout, each optionally split into trajectory micro-batches whose losses are weighted
    by count / total so that one update sees the full-batch gradient. This core is a
    plain step function ``(state, rollout) -> (state, metrics)``: ``compile_step``
-   compiles it with ``fullgraph=True`` and ``explain_step`` inspects it.
+   compiles it with ``fullgraph=True``; ``explain_step(step, state, batch)`` runs the
+   rollout and inspects it.
 
 The optimizer's own count advances P times per batch, so schedules count optimizer
 updates (size them ``batches * epochs * P``, as the seed does). The frozen reference
