@@ -40,7 +40,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import attrs
 import torch
 
-from .compile import CompiledStep, Step, as_step, compile_step
+from .compile import CompiledStep, Step, _explain_target, as_step, compile_step
 
 __all__ = ["BenchResult", "Workload", "benchmark_step", "bench_main", "explain_step", "machine_info",
            "measure_compile_cache", "batch_size"]
@@ -289,12 +289,6 @@ def _allocator_peak(prof) -> int:
     return int(peak)
 
 
-def _core_of(step_fn) -> Callable:
-    if isinstance(step_fn, CompiledStep):
-        return step_fn.step.core
-    return as_step(step_fn).core
-
-
 def explain_step(step_fn, state, batch) -> tuple[int, list[str]]:
     """(graph_break_count, break_reasons) of the step's pure core, from ``torch._dynamo.explain``.
 
@@ -302,7 +296,9 @@ def explain_step(step_fn, state, batch) -> tuple[int, list[str]]:
     check both. Note: explain resets dynamo, dropping every compiled graph in the process,
     so call it before compiling (:func:`benchmark_step` does).
     """
-    core = _core_of(step_fn)
+    # A CompiledStep explains its Step; a GRPO step runs its rollout and explains its update core.
+    step, state, batch = _explain_target(step_fn, state, batch)
+    core = step.core
     stripped = state.replace(rng=None, cursor=None) if hasattr(state, "replace") and hasattr(state, "rng") else state
     if hasattr(state, "rng") and state.rng is not None:
         torch.manual_seed(state.rng.step_seed())

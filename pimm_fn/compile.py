@@ -335,9 +335,26 @@ def explain_step(step_fn, state: TrainState, batch):
 
     Returns dynamo's ExplainOutput. A clean step has ``graph_break_count == 0`` and an
     empty ``break_reasons`` (both matter: the count alone can read 0 while a reason is
-    listed). The state is not mutated.
+    listed). The state is not mutated. step_fn may be a core function, a :class:`Step`, a
+    :class:`CompiledStep` or a step with a host phase (a GRPO step: its rollout runs on the
+    host and its pure update core is explained).
     """
-    step = as_step(step_fn)
+    step, state, batch = _explain_target(step_fn, state, batch)
     inner = state.replace(rng=None, cursor=None)
     with seeded_rng(_rank_seed(state.rng.step_seed())), torch._dynamo.config.patch(trace_autograd_ops=True):
         return torch._dynamo.explain(step.core)(inner, batch)
+
+
+def _explain_target(step_fn, state: TrainState, batch):
+    """The pure :class:`Step` that a step runs, with the state and batch its core sees.
+
+    A CompiledStep explains its uncompiled Step. A step with a host phase exposes
+    ``explain_inputs(state, batch) -> (step, state, batch)``: it runs that phase (GRPO's
+    rollout) and hands over its core, since only the core is ever compiled.
+    """
+    if isinstance(step_fn, CompiledStep):
+        step_fn = step_fn.step
+    host_phase = getattr(step_fn, "explain_inputs", None)
+    if host_phase is not None:
+        step_fn, state, batch = host_phase(state, batch)
+    return as_step(step_fn), state, batch

@@ -245,7 +245,28 @@ def _as_steps(x: torch.Tensor) -> torch.Tensor:
     return x.unsqueeze(-1) if x.dim() == 1 else x
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor | None, reduction: str = "sequence") -> torch.Tensor:
+REDUCTIONS = ("sequence", "token", "constant")
+
+
+def _check_reduction(reduction: str, max_length) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if max_length is not None:
+        if reduction != "constant":
+            raise ValueError(
+                f"max_length={max_length} is the divisor of reduction='constant'; with "
+                f"reduction={reduction!r} it would be ignored. Pass reduction='constant' or drop it."
+            )
+        if not isinstance(max_length, (int, float)) or max_length <= 0:
+            raise ValueError(f"max_length must be a positive number (e.g. the max generation length), got {max_length!r}")
+
+
+def masked_mean(
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    reduction: str = "sequence",
+    max_length: int | float | None = None,
+) -> torch.Tensor:
     """Mean of ``x`` over valid steps.
 
     Args:
@@ -254,8 +275,14 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor | None, reduction: str = "se
         reduction: ``"sequence"`` averages each trajectory over its valid steps, then
             averages the N trajectories (GRPO; an all-pad trajectory contributes 0 but still
             counts, so micro-batches weighted by trajectory count are exact); ``"token"``
-            averages over all valid steps of the batch (DAPO).
+            averages over all valid steps of the batch (DAPO); ``"constant"`` sums each
+            trajectory's valid steps, divides by one fixed constant ``max_length`` and
+            averages the N trajectories (Dr. GRPO: no per-sequence length bias; exact under
+            micro-batches weighted by trajectory count, like ``"sequence"``).
+        max_length: the constant of ``"constant"`` (e.g. the maximum generation length);
+            None uses the padded length ``T`` of ``x``. Only valid with ``"constant"``.
     """
+    _check_reduction(reduction, max_length)
     x = _as_steps(x)
     m = torch.ones_like(x) if mask is None else _as_steps(mask).to(x.dtype)
     if reduction == "sequence":
@@ -263,13 +290,15 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor | None, reduction: str = "se
         return per_seq.mean()
     if reduction == "token":
         return (x * m).sum() / m.sum().clamp(min=1)
-    raise ValueError(f"reduction must be 'sequence' or 'token', got {reduction!r}")
+    # A Python constant (not a tensor): the divisor is fixed, whatever the valid lengths.
+    length = float(x.shape[-1] if max_length is None else max_length)
+    return ((x * m).sum(-1) / length).mean()
 
 
 def _count(x: torch.Tensor, mask: torch.Tensor | None, reduction: str) -> torch.Tensor:
     """How many units a :func:`masked_mean` averaged over, as a 0-dim float tensor."""
     x = _as_steps(x)
-    if reduction == "token":
+    if reduction == "token":  # "sequence" and "constant" average over trajectories
         if mask is None:
             return torch.full((), float(x.numel()), dtype=torch.float32, device=x.device)
         return _as_steps(mask).to(torch.float32).sum()
@@ -316,6 +345,7 @@ def clipped_surrogate(
     clip_high: float = 0.2,
     level: str = "token",
     reduction: str = "sequence",
+    max_length: int | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO clipped policy-gradient loss with separate low / high clip bounds.
 
@@ -333,15 +363,24 @@ def clipped_surrogate(
         level: ``"token"`` -- one ratio per step; ``"sequence"`` -- one ratio per
             trajectory, the geometric mean of its step ratios (GSPO); needs ``[N]``
             advantages and ``reduction="sequence"``.
-        reduction: see :func:`masked_mean`.
+        reduction: how the per-step surrogate is averaged, see :func:`masked_mean`:
+            ``"sequence"`` (GRPO), ``"token"`` (DAPO) or ``"constant"`` (Dr. GRPO: each
+            trajectory's sum over its steps divided by ``max_length``).
+        max_length: the constant divisor of ``reduction="constant"`` (None: the padded T).
 
     Returns:
         ``(loss, metrics)``: the 0-dim loss and a dict of detached 0-dim metrics
         (``rl_pg_loss``, ``rl_ratio_geom``, ``rl_log_ratio`` and its ``_min`` / ``_max``,
         ``rl_clip_frac_low`` / ``_high`` / ``rl_clip_frac``, ``rl_logprob``,
-        ``rl_advantage_abs_max``, ``count``). Fractions are over the units of ``reduction``.
+        ``rl_advantage_abs_max``, ``count``). Fractions are over the units of ``reduction``
+        (``"constant"``: per-trajectory fractions of valid steps, averaged over trajectories,
+        as ``"sequence"``).
     """
     _check_logp(logp_new, logp_old, advantages, mask)
+    _check_reduction(reduction, max_length)
+    # Means that describe the batch (clip fractions, log-ratios) are not length-normalised
+    # sums: under "constant" they average like "sequence" (same units, trajectories).
+    stat_reduction = "sequence" if reduction == "constant" else reduction
     lp_new = _as_steps(logp_new)
     # Old log-probs and advantages are rollout constants: no gradient may reach them even
     # if the caller forgot to detach (e.g. advantages computed from a value head).
@@ -354,7 +393,7 @@ def clipped_surrogate(
         adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
         adv = adv.expand_as(lp_new)
         log_ratio = (lp_new - lp_old).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
-        unit_mask, unit_reduction = m, reduction
+        unit_mask, unit_reduction = m, stat_reduction
     elif level == "sequence":
         if adv.dim() != 1:
             raise ValueError("level='sequence' needs one advantage per trajectory, shape [N]")
@@ -369,7 +408,10 @@ def clipped_surrogate(
     ratio = log_ratio.exp()
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     surrogate = torch.minimum(ratio * adv, clipped * adv)
-    loss = -masked_mean(surrogate, unit_mask, unit_reduction)
+    if level == "token":
+        loss = -masked_mean(surrogate, m, reduction, max_length)
+    else:
+        loss = -masked_mean(surrogate, None, "sequence")
 
     with torch.no_grad():
         # Clipping is "active" where the clipped branch wins and kills the gradient.
@@ -385,7 +427,7 @@ def clipped_surrogate(
             "rl_log_ratio_max": _masked_extreme(lr, unit_mask, largest=True),
             "rl_clip_frac_low": masked_mean(low, unit_mask, unit_reduction),
             "rl_clip_frac_high": masked_mean(high, unit_mask, unit_reduction),
-            "rl_logprob": masked_mean(lp_new.detach(), m, reduction),
+            "rl_logprob": masked_mean(lp_new.detach(), m, stat_reduction),
             "rl_advantage_abs_max": _masked_extreme(adv.abs(), unit_mask, largest=True),
             COUNT_KEY: _count(lp_new, m, reduction),
         }
@@ -401,6 +443,7 @@ def kl_k1(
     logp_ref: torch.Tensor,
     mask: torch.Tensor | None = None,
     reduction: str = "sequence",
+    max_length: int | float | None = None,
 ) -> torch.Tensor:
     """k1 estimate of KL(pi || pi_ref): mean of ``logp - logp_ref`` over sampled steps.
 
@@ -410,9 +453,9 @@ def kl_k1(
     Args:
         logp: ``[N, T]`` / ``[N]`` log-probs under the trained policy (on-policy samples).
         logp_ref: same shape, under the reference policy; treated as a constant.
-        mask, reduction: see :func:`masked_mean`.
+        mask, reduction, max_length: see :func:`masked_mean`.
     """
-    return masked_mean(logp - logp_ref.detach(), mask, reduction)
+    return masked_mean(logp - logp_ref.detach(), mask, reduction, max_length)
 
 
 def kl_k3(
@@ -420,6 +463,7 @@ def kl_k3(
     logp_ref: torch.Tensor,
     mask: torch.Tensor | None = None,
     reduction: str = "sequence",
+    max_length: int | float | None = None,
 ) -> torch.Tensor:
     """k3 estimate of KL(pi || pi_ref): mean of ``exp(d) - d - 1`` with ``d = logp_ref - logp``.
 
@@ -429,7 +473,7 @@ def kl_k3(
     Args: as :func:`kl_k1`.
     """
     d = (logp_ref.detach() - logp).clamp(-_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
-    return masked_mean(d.exp() - d - 1.0, mask, reduction)
+    return masked_mean(d.exp() - d - 1.0, mask, reduction, max_length)
 
 
 _KL_ESTIMATORS = {"k1": kl_k1, "k3": kl_k3}
@@ -447,6 +491,7 @@ def grpo_loss(
     kl_estimator: str = "k3",
     level: str = "token",
     reduction: str = "sequence",
+    max_length: int | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss: clipped surrogate plus ``kl_coef`` times a KL penalty to a reference.
 
@@ -467,7 +512,7 @@ def grpo_loss(
     if kl_estimator not in _KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {sorted(_KL_ESTIMATORS)}, got {kl_estimator!r}")
     pg_loss, metrics = clipped_surrogate(
-        logp_new, logp_old, advantages, mask, clip_low, clip_high, level, reduction
+        logp_new, logp_old, advantages, mask, clip_low, clip_high, level, reduction, max_length
     )
     use_kl = logp_ref is not None and not (isinstance(kl_coef, (int, float)) and kl_coef == 0)
     if use_kl:
@@ -477,7 +522,7 @@ def grpo_loss(
             )
         # The KL is a per-step quantity even for sequence-level ratios; it is averaged with
         # the loss's reduction so micro-batch weighting stays exact.
-        kl = _KL_ESTIMATORS[kl_estimator](logp_new, logp_ref, mask, reduction)
+        kl = _KL_ESTIMATORS[kl_estimator](logp_new, logp_ref, mask, reduction, max_length)
         kl_loss = kl_coef * kl
         loss = pg_loss + kl_loss
         metrics["rl_kl"] = kl.detach()

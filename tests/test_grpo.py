@@ -80,7 +80,7 @@ def compiled():
 # --------------------------------------------------------------------------- exactness
 
 
-@pytest.mark.parametrize("reduction", ["sequence", "token"])
+@pytest.mark.parametrize("reduction", ["sequence", "token", "constant"])
 def test_microbatched_update_equals_full_batch(reduction):
     # SGD with lr 1: the param change *is* the gradient; float64 so 1e-6 is meaningful.
     batch = make_batch(dtype=torch.float64)
@@ -88,7 +88,7 @@ def test_microbatched_update_equals_full_batch(reduction):
     for m in (0, 1, 3, 4, 5):  # 3 and 5 do not divide G=4; chunks never cross a group
         st = make_state(optim.sgd(lr=1.0), dtype=torch.float64, ref=True)
         step = grpo(sample=sample, reward=reward, group_size=G, microbatch_size=m, reduction=reduction,
-                    kl_coef=0.1)
+                    kl_coef=0.1, max_length=T + 2 if reduction == "constant" else None)
         new, metrics = step(st, batch)
         results[m] = (new, metrics)
     full, full_m = results[0]
@@ -131,6 +131,30 @@ def test_on_policy_first_update_and_schedule_counts_updates():
     for k in st.params:
         assert torch.equal(new2.extra[REF_KEY][k], st.params[k])
         assert torch.equal(make_state().params[k], st.params[k])
+
+
+def test_dr_grpo_constant_reduction_first_update_value():
+    # On-policy first update: every ratio is 1, so the loss is -mean_i(A_i * len_i / L) with
+    # Dr. GRPO's centred (unscaled) advantages and L = max_length, whatever the lengths.
+    def varied_lengths(policy, batch, group_size):  # lengths differ inside a group too
+        ro = sample(policy, batch, group_size)
+        n = ro.traj["actions"].shape[0]
+        mask = torch.arange(T).unsqueeze(0) < (1 + torch.arange(n) % T).unsqueeze(1)
+        return ro._replace(traj={**ro.traj, "mask": mask})
+
+    st = make_state()
+    step = grpo(sample=varied_lengths, reward=reward, group_size=G, advantage="dr_grpo",
+                reduction="constant", max_length=10)
+    new, m = step(st, make_batch())
+    _, _, ro = step.explain_inputs(st, make_batch())  # the rollout the call made
+    adv = (ro.rewards - ro.rewards.mean(1, keepdim=True)).reshape(-1)
+    lengths = ro.traj["mask"].sum(-1).float()
+    expected = -(adv * lengths / 10).mean()
+    torch.testing.assert_close(m["rl_pg_loss"], expected)
+    assert abs(float(expected)) > 1e-4 and m["count"] == B * G
+    # the per-sequence mean (GRPO's default reduction) is another number
+    _, m_seq = grpo(sample=varied_lengths, reward=reward, group_size=G, advantage="dr_grpo")(st, make_batch())
+    assert not torch.allclose(m_seq["rl_pg_loss"], m["rl_pg_loss"])
 
 
 def test_kl_zero_runs_without_reference():

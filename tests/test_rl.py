@@ -193,6 +193,37 @@ def test_clipping_bounds_and_fractions():
     torch.testing.assert_close(g.view(-1), torch.tensor([0.0, -0.9 / 4, -2.2 / 4, 0.0]))
 
 
+def test_constant_length_normalisation_hand_computed():
+    # Dr. GRPO: each trajectory's summed surrogate over its valid steps / one constant L,
+    # then the mean over trajectories; clip bounds [0.8, 1.3].
+    logp_old = torch.zeros(2, 3)
+    ratios = torch.tensor([[0.5, 1.1, 2.0], [0.9, 1.5, 1.0]])
+    logp_new = ratios.log().requires_grad_()
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0])
+    # per-step min(rA, clip(r)A): row 0 (A=1): 0.5, 1.1, [pad]; row 1 (A=-1): -0.9, -1.5, -1.0.
+    # sums: 1.6 and -3.4, whatever the lengths (2 and 3) are.
+    loss, m = rl.clipped_surrogate(logp_new, logp_old, adv, mask, clip_low=0.2, clip_high=0.3,
+                                   reduction="constant", max_length=10)
+    torch.testing.assert_close(loss, torch.tensor(-(1.6 / 10 - 3.4 / 10) / 2))  # 0.09
+    assert m["count"] == 2 and m["rl_clip_frac"] == 0  # 2.0 is a pad: not counted as clipped
+    torch.testing.assert_close(m["rl_pg_loss"], loss.detach())
+    (g,) = torch.autograd.grad(loss, logp_new)
+    # d loss / d logp = -r * A / (N * L) on valid unclipped steps, 0 on the pad.
+    torch.testing.assert_close(g, torch.tensor([[-0.5, -1.1, 0.0], [0.9, 1.5, 1.0]]) / 20)
+    # max_length=None divides by the padded length T = 3; the other reductions differ.
+    default, _ = rl.clipped_surrogate(logp_new, logp_old, adv, mask, 0.2, 0.3, reduction="constant")
+    torch.testing.assert_close(default, torch.tensor(-(1.6 / 3 - 3.4 / 3) / 2))
+    seq, _ = rl.clipped_surrogate(logp_new, logp_old, adv, mask, 0.2, 0.3, reduction="sequence")
+    torch.testing.assert_close(seq, torch.tensor(-(1.6 / 2 - 3.4 / 3) / 2))
+    torch.testing.assert_close(rl.masked_mean(ratios, mask, "constant", max_length=4),
+                               torch.tensor((1.6 / 4 + 3.4 / 4) / 2))
+    with pytest.raises(ValueError, match="max_length=10 is the divisor"):
+        rl.clipped_surrogate(logp_new, logp_old, adv, mask, reduction="token", max_length=10)
+    with pytest.raises(ValueError, match="max_length must be a positive"):
+        rl.masked_mean(ratios, mask, "constant", max_length=0)
+
+
 def test_sequence_level_ratio_is_geometric_mean():
     logp_old = torch.zeros(2, 3)
     logp_new = torch.tensor([[0.1, 0.3, 9.0], [-0.2, 0.0, 0.0]])
@@ -231,7 +262,8 @@ def test_kl_estimators_and_grpo_loss_terms():
 # --------------------------------------------------------------------------- micro-batching
 
 
-@pytest.mark.parametrize("level,reduction", [("token", "sequence"), ("token", "token"), ("sequence", "sequence")])
+@pytest.mark.parametrize("level,reduction", [("token", "sequence"), ("token", "token"), ("token", "constant"),
+                                             ("sequence", "sequence")])
 def test_microbatched_gradient_equals_full_batch(level, reduction):
     b, g = 2, 5
     n = b * g

@@ -14,7 +14,8 @@ Replaces the seed's GRPOTrainer (seed-behaviour.md items 14-18). One call
    rollout, each optionally split into trajectory micro-batches whose losses are weighted
    by count / total so that one update sees the full-batch gradient. This core is a
    plain step function ``(state, rollout) -> (state, metrics)``: ``compile_step``
-   compiles it with ``fullgraph=True`` and ``explain_step`` inspects it.
+   compiles it with ``fullgraph=True``; ``explain_step(step, state, batch)`` runs the
+   rollout and inspects it.
 
 The optimizer's own count advances P times per batch, so schedules count optimizer
 updates (size them ``batches * epochs * P``, as the seed does). The frozen reference
@@ -156,6 +157,7 @@ def grpo_objective(
     kl_estimator: str = "k3",
     level: str = "token",
     reduction: str = "sequence",
+    max_length: Optional[float] = None,
 ) -> LossFn:
     """The default GRPO loss: :func:`pimm_fn.rl.grpo_loss` over one micro-batch.
 
@@ -170,7 +172,7 @@ def grpo_objective(
         return rl.grpo_loss(
             out["logp"], chunk["logp_old"], chunk["logp_ref"], chunk["advantages"], chunk["mask"],
             clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, kl_estimator=kl_estimator,
-            level=level, reduction=reduction,
+            level=level, reduction=reduction, max_length=max_length,
         )
 
     return loss
@@ -368,6 +370,13 @@ class GRPOStep:
                 "a GRPO step has a host rollout phase and cannot be compiled whole; use "
                 "step.compile() (compiles the update core) or compile_step(step.update)"
             )
+        update_state, ro = self._host_phase(state, batch)
+        new_state, metrics = self._update_fn(update_state, ro)
+        metrics = {**metrics, **ro.metrics}
+        return new_state.replace(rng=state.rng.next(), cursor=state.cursor), metrics
+
+    def _host_phase(self, state: TrainState, batch):
+        """The rollout a call makes for ``(state, batch)`` and the state its update core gets."""
         if not isinstance(state, TrainState):
             raise TypeError(f"a step takes a TrainState as its first argument, got {type(state).__name__}")
         if state.loss_scale is not None:
@@ -377,9 +386,16 @@ class GRPOStep:
         # The update core gets its own key, split off this step's key, so randomness inside
         # it (dropout) does not replay the sampling stream; the state keeps the parent key.
         sub = RngKey(seed=state.rng.step_seed(), counter=0)
-        new_state, metrics = self._update_fn(state.replace(rng=sub), ro)
-        metrics = {**metrics, **ro.metrics}
-        return new_state.replace(rng=state.rng.next(), cursor=state.cursor), metrics
+        return state.replace(rng=sub), ro
+
+    def explain_inputs(self, state: TrainState, batch):
+        """``(update core, its state, its rollout)``: what ``explain_step`` traces for this step.
+
+        The rollout is host code (any Python) and is never compiled; the update core is,
+        so its graph breaks are the step's. Runs the rollout exactly as a call would.
+        """
+        update_state, ro = self._host_phase(state, batch)
+        return self.update, update_state, ro
 
     def compile(self, **compile_kwargs) -> "GRPOStep":
         """The same step with its update core compiled by ``compile_step`` (fullgraph).
@@ -433,6 +449,7 @@ def grpo(
     kl_estimator: str = "k3",
     level: str = "token",
     reduction: str = "sequence",
+    max_length: Optional[float] = None,
     advantage: Union[str, Callable] = "grpo",
     gamma: float = 1.0,
     eps: float = 1e-6,
@@ -456,8 +473,13 @@ def grpo(
     microbatch_size: M trajectories per micro-batch (0 = whole rollout); chunks never
         cross an input's group; weights count / total make the update exact.
     kl_coef: 0 runs no reference pass; otherwise the state needs :func:`with_reference`.
-    reduction: "sequence" weights micro-batches by trajectories, "token" by valid steps
-        (pass the same reduction your custom loss averages with).
+    reduction: how the loss averages steps (:func:`pimm_fn.rl.masked_mean`): "sequence"
+        (GRPO), "token" (DAPO) or "constant" (Dr. GRPO: each trajectory's sum over its
+        steps divided by ``max_length``). "sequence" and "constant" weight micro-batches by
+        trajectories, "token" by valid steps (pass the same reduction your custom loss
+        averages with).
+    max_length: the constant divisor of ``reduction="constant"`` (e.g. the maximum
+        generation length); None uses the rollout's padded length T.
     advantage: "grpo", "dr_grpo" (no std scaling), "rloo", "step" (per-step rewards,
         :func:`pimm_fn.rl.step_advantages` with ``gamma``) or ``fn(rewards, mask) -> [N]/[N, T]``.
     clip_grad: max global gradient norm per update, or None.
@@ -474,12 +496,11 @@ def grpo(
         raise ValueError(f"microbatch_size must be >= 0 (0 = no splitting), got {microbatch_size}")
     if not callable(advantage) and advantage not in _ADVANTAGES:
         raise ValueError(f"advantage must be one of {_ADVANTAGES} or a callable, got {advantage!r}")
-    if reduction not in ("sequence", "token"):
-        raise ValueError(f"reduction must be 'sequence' or 'token', got {reduction!r}")
+    rl._check_reduction(reduction, max_length)
     if not callable(sample):
         raise TypeError("sample must be a function sample(policy, batch, group_size) -> Rollout")
     if loss is None:
-        loss = grpo_objective(clip_low, clip_high, kl_coef, kl_estimator, level, reduction)
+        loss = grpo_objective(clip_low, clip_high, kl_coef, kl_estimator, level, reduction, max_length)
     return GRPOStep(
         sample=sample, reward=reward, group_size=int(group_size), log_prob=log_prob, loss=loss,
         policy_updates=int(policy_updates), microbatch_size=int(microbatch_size),
