@@ -20,8 +20,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .experiment import Run, RunContext, available_experiments, load_experiment
-from .settings import SettingsError, apply_overrides
+from .experiment import Run, RunContext, available_experiments, experiment_settings, load_experiment
+from .settings import SettingsError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,16 +44,6 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("rest", nargs=argparse.REMAINDER)
     sub.add_parser("list", help="list the experiments")
     return p
-
-
-def _settings(module, overrides: Sequence[str]) -> dict:
-    try:
-        return apply_overrides(module.SETTINGS, overrides)
-    except SettingsError as err:
-        msg = str(err)
-        if "valid keys" not in msg:  # a wrong type names its key only; list them all, as for unknown keys
-            msg += "; valid keys: " + ", ".join(f"{k}={v!r}" for k, v in sorted(module.SETTINGS.items()))
-        raise SystemExit(f"pimm-fn: {msg}") from None
 
 
 def _standard_callbacks(run: Run, save: Path, is_main: bool, progress: bool):
@@ -111,7 +101,10 @@ def train(args) -> int:
     from .fit import fit
 
     module = load_experiment(args.experiment)
-    settings = _settings(module, args.overrides)
+    try:
+        settings = experiment_settings(module, args.overrides, quick=args.quick)
+    except SettingsError as err:
+        raise SystemExit(f"pimm-fn: {err}") from None
     ctx_dist = distributed.init_from_env()
     save = Path(args.save_path or Path("runs") / Path(args.experiment).stem).resolve()
     if ctx_dist.is_main:
@@ -151,7 +144,10 @@ def evaluate(args) -> int:
     from .checkpoint import restore
 
     module = load_experiment(args.experiment)
-    settings = _settings(module, args.overrides)
+    try:
+        settings = experiment_settings(module, args.overrides, quick=args.quick)
+    except SettingsError as err:
+        raise SystemExit(f"pimm-fn: {err}") from None
     ctx = RunContext(save_path=Path(args.checkpoint).resolve().parent, quick=args.quick)
     run = module.build(settings, ctx)
     if run.evaluate is None:
