@@ -37,6 +37,10 @@ SETTINGS = {
     "compile": True,
     "seed": 0,
 }
+# --quick (a smoke test) changes these; an explicit --set wins over them.
+QUICK = {"epochs": 2}
+MINIMUM = {"epochs": 1, "batch_size": 1, "width": 1, "depth": 1, "shift": 0, "num_workers": 0,
+           "warmup_pct": 0}  # smallest valid values
 
 
 def random_shift(pixels: int):
@@ -90,9 +94,7 @@ def render(state: TrainState, loader, png) -> None:
 
 
 def build(settings: dict, ctx) -> Run:
-    s = dict(settings)
-    if ctx.quick:
-        s.update(epochs=2)
+    s = settings
     torch.manual_seed(s["seed"])
     train_loader = build_train_loader(
         DigitsImages("train"), batch_size=s["batch_size"], seed=s["seed"], collate_fn=image_collate,

@@ -45,6 +45,9 @@ SETTINGS = {
     "compile": True,
     "seed": 0,
 }
+# --quick (a smoke test) changes these; an explicit --set wins over them.
+QUICK = {"epochs": 2}
+MINIMUM = {"epochs": 1, "batch_size": 1, "width": 1, "num_workers": 0, "class_weight_power": 0}  # smallest valid values
 
 NUM_CLASSES = FrogTissueBlocks.num_classes
 CLASS_NAMES = tuple(f"tissue{i}" for i in range(1, 16)) + ("rare",)
@@ -114,9 +117,7 @@ def render(state: TrainState, loader, png) -> None:
 
 
 def build(settings: dict, ctx) -> Run:
-    s = dict(settings)
-    if ctx.quick:
-        s.update(epochs=2)
+    s = settings
     torch.manual_seed(s["seed"])
     train_loader = build_train_loader(
         FrogTissueBlocks("train"), batch_size=s["batch_size"], seed=s["seed"], transform=transform(s, "train"),

@@ -40,6 +40,11 @@ SETTINGS = {
     "seed": 0,
     "eval_episodes": 8,
 }
+# --quick (a smoke test) changes these; an explicit --set wins over them.
+QUICK = {"steps": 3, "events": 2, "group_size": 4, "policy_updates": 2, "max_steps": 40, "eval_episodes": 1}
+# group_size >= 2: advantages are relative within a group (one member: always 0).
+MINIMUM = {"steps": 1, "events": 1, "group_size": 2, "policy_updates": 1, "microbatch_size": 0, "hidden": 1,
+           "max_steps": 1, "eval_episodes": 1}  # smallest valid values
 
 
 class EpisodeSampler:
@@ -142,9 +147,7 @@ def greedy_return(state: TrainState, episodes: int = 8, max_steps: int = 500, se
 
 
 def build(settings: dict, ctx) -> Run:
-    s = dict(settings)
-    if ctx.quick:
-        s.update(steps=3, events=2, group_size=4, policy_updates=2, max_steps=40, eval_episodes=1)
+    s = settings
     torch.manual_seed(s["seed"])
     policy = CategoricalMLPPolicy(4, 2, hidden=(s["hidden"], s["hidden"]))
     tx = optim.adam(lr=s["lr"])

@@ -42,6 +42,11 @@ SETTINGS = {
     "compile": True,
     "seed": 0,
 }
+# --quick (a smoke test) changes these; an explicit --set wins over them.
+QUICK = {"epochs": 1, "pretrain_steps": 2, "group_size": 4, "policy_updates": 2}
+# group_size >= 2: advantages are relative within a group (one member: always 0).
+MINIMUM = {"epochs": 1, "batch_size": 1, "group_size": 2, "policy_updates": 1, "microbatch_size": 0,
+           "pretrain_steps": 0, "width": 1}  # smallest valid values
 
 _KEYS = ("coord", "grid_coord", "feat", "offset")
 NUM_CLASSES = LidarBlocks.num_classes
@@ -122,9 +127,7 @@ def pretrain(state: TrainState, loader, steps: int) -> TrainState:
 
 
 def build(settings: dict, ctx) -> Run:
-    s = dict(settings)
-    if ctx.quick:
-        s.update(epochs=1, pretrain_steps=2, group_size=4, policy_updates=2)
+    s = settings
     torch.manual_seed(s["seed"])
     train = LidarBlocks("train")
     loader = build_train_loader(train, batch_size=s["batch_size"], seed=s["seed"],

@@ -52,6 +52,9 @@ SETTINGS = {
     "compile": True,
     "seed": 0,
 }
+# --quick (a smoke test) changes these; an explicit --set wins over them.
+QUICK = {"epochs": 2, "train_scenes": 8, "val_scenes": 2}
+MINIMUM = {"epochs": 1, "batch_size": 1, "train_scenes": 1, "val_scenes": 1, "width": 1, "num_workers": 0}  # smallest valid values
 
 NUM_CLASSES = len(SYNTHETIC_CLASSES)
 _INPUT_KEYS = ("coord", "grid_coord", "feat", "offset")
@@ -174,9 +177,7 @@ def render(state: TrainState, loader, png) -> None:
 
 
 def build(settings: dict, ctx) -> Run:
-    s = dict(settings)
-    if ctx.quick:
-        s.update(epochs=2, train_scenes=8, val_scenes=2)
+    s = settings
     torch.manual_seed(s["seed"])
     train_loader = build_train_loader(
         SyntheticScenes(s["train_scenes"], seed=s["seed"]), batch_size=s["batch_size"], seed=s["seed"],

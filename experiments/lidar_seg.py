@@ -41,6 +41,9 @@ SETTINGS = {
     "amp": "",                # "", "bfloat16" or "float16" (float16 turns on loss scaling)
     "seed": 0,
 }
+# --quick (a smoke test) changes these; an explicit --set wins over them.
+QUICK = {"epochs": 2}
+MINIMUM = {"epochs": 1, "batch_size": 1, "width": 1, "num_workers": 0}  # smallest valid values
 
 _INPUT_KEYS = ("coord", "grid_coord", "feat", "offset")
 
@@ -77,9 +80,7 @@ def render(state: TrainState, loader, png) -> None:
 
 
 def build(settings: dict, ctx) -> Run:
-    s = dict(settings)
-    if ctx.quick:
-        s.update(epochs=2)
+    s = settings
     torch.manual_seed(s["seed"])
     train_loader = build_train_loader(
         LidarBlocks("train"), batch_size=s["batch_size"], seed=s["seed"],

@@ -54,6 +54,10 @@ SETTINGS = {
     "compile": True,
     "seed": 0,
 }
+# --quick (a smoke test) changes these; an explicit --set wins over them.
+QUICK = {"epochs": 2, "synthetic_scenes": 8}
+MINIMUM = {"epochs": 1, "batch_size": 1, "lidar_ratio": 0, "synthetic_ratio": 0, "synthetic_scenes": 1,
+           "width": 1, "num_workers": 0}  # smallest valid values
 
 CLASS_NAMES = ("ground", "vegetation", "building", "box", "sphere", "cylinder")
 NUM_CLASSES = len(CLASS_NAMES)
@@ -119,9 +123,7 @@ def render(state: TrainState, loader, png) -> None:
 
 
 def build(settings: dict, ctx) -> Run:
-    s = dict(settings)
-    if ctx.quick:
-        s.update(epochs=2, synthetic_scenes=8)
+    s = settings
     torch.manual_seed(s["seed"])
     # One train loader per data set, each with its own label map (seeds seed, seed + 1, as
     # build_multi_loader gives them), mixed batch by batch by the multi-dataset loader.

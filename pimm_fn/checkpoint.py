@@ -499,7 +499,9 @@ def _corrupt_with_hint(err: CheckpointCorruptError, path: Path) -> CheckpointCor
         if good is not None
         else " No other intact checkpoint was found in its folder."
     )
-    return CheckpointCorruptError(str(err) + hint)
+    out = CheckpointCorruptError(str(err) + hint)
+    out.detail, out.intact = str(err), good  # for callers that word their own message (the CLI)
+    return out
 
 
 def verify(path: Union[str, os.PathLike]) -> None:
@@ -558,7 +560,11 @@ def restore(path: Union[str, os.PathLike], like: TrainState) -> tuple[TrainState
             "To load only the weights of a different model, use import_seed_checkpoint() "
             "with a state_dict, which skips mismatches with a warning."
         )
-        raise CheckpointMismatchError("\n".join(parts))
+        err = CheckpointMismatchError("\n".join(parts))
+        # the differences one by one, for callers that word their own message (the CLI)
+        err.differences = ([f"{k[6:]}: missing in the checkpoint" for k in missing]
+                           + [f"{k[6:]}: not in the model" for k in unexpected] + shapes + kinds)
+        raise err
 
     new_leaves = []
     for key, leaf in zip(keys, like_leaves):

@@ -1,9 +1,19 @@
 """What an experiment file hands the command line: a :class:`Run`.
 
 An experiment is a plain Python file in ``experiments/`` with a ``SETTINGS`` dict (the
-defaults ``--set key=value`` overrides) and ``build(settings, ctx) -> Run``. The command
-line adds the standard callbacks (log, TensorBoard, progress, checkpoints, evaluation)
-and runs ``fit``; the experiment only says what to train and how to evaluate it.
+defaults ``--set key=value`` overrides) and ``build(settings, ctx) -> Run``. Two optional
+dicts go beside ``SETTINGS``:
+
+    QUICK     settings ``--quick`` changes (e.g. ``{"epochs": 2}``); an explicit
+              ``--set`` wins over them, and the run's settings.json records the result.
+    MINIMUM   the smallest valid value of numeric settings (``{"epochs": 1,
+              "batch_size": 1}``): ``--set epochs=0`` is an error naming ``epochs``.
+
+``build`` receives the resolved settings (:func:`experiment_settings`) and never changes
+them; ``ctx.quick`` is for what is not a setting (a few iterations per epoch, a smaller
+validation subset). The command line adds the standard callbacks (log, TensorBoard,
+progress, checkpoints, evaluation) and runs ``fit``; the experiment only says what to
+train and how to evaluate it.
 """
 from __future__ import annotations
 
@@ -14,6 +24,16 @@ from typing import Any, Callable, Optional, Sequence
 
 import attrs
 
+from .settings import resolve
+
+
+class ExperimentError(Exception):
+    """An experiment file that is missing or lacks what the command line needs."""
+
+
+class ExperimentNotFoundError(ExperimentError, FileNotFoundError):
+    """No experiment file of that name; the message lists the available ones."""
+
 
 @attrs.frozen
 class RunContext:
@@ -23,7 +43,7 @@ class RunContext:
     device: Any = "cpu"
     rank: int = 0
     world_size: int = 1
-    quick: bool = False  # tests ask for a few steps only
+    quick: bool = False  # a smoke test: a few iterations per epoch (QUICK holds the settings it changes)
 
 
 @attrs.frozen
@@ -68,8 +88,9 @@ def load_experiment(name: str):
     if path.suffix != ".py":
         path = experiments_dir() / f"{name}.py"
     if not path.is_file():
-        raise FileNotFoundError(
-            f"no experiment {name!r}: {path} does not exist; available: {', '.join(available_experiments()) or '(none)'}"
+        raise ExperimentNotFoundError(
+            f"no experiment {name!r} ({path} does not exist); pass one of: {', '.join(available_experiments()) or '(none)'}"
+            " or the path of an experiment file"
         )
     spec = importlib.util.spec_from_file_location(f"pimm_fn_experiment_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
@@ -77,5 +98,20 @@ def load_experiment(name: str):
     spec.loader.exec_module(module)
     for attr in ("SETTINGS", "build"):
         if not hasattr(module, attr):
-            raise AttributeError(f"experiment {path} defines no {attr}; an experiment needs SETTINGS and build(settings, ctx)")
+            raise ExperimentError(f"experiment {path} defines no {attr}; an experiment needs SETTINGS and build(settings, ctx)")
+    for attr in ("QUICK", "MINIMUM"):
+        unknown = sorted(set(getattr(module, attr, {})) - set(module.SETTINGS))
+        if unknown:
+            raise ExperimentError(f"{path}: {attr} names {', '.join(map(repr, unknown))}, which SETTINGS lacks; "
+                                f"add them to SETTINGS or drop them from {attr}")
     return module
+
+
+def experiment_settings(module, overrides: Sequence[str] = (), *, quick: bool = False) -> dict:
+    """The settings a run of ``module`` uses: SETTINGS, then QUICK if ``quick``, then ``overrides``.
+
+    overrides: ``key=value`` strings (``--set``); they win over QUICK. The result is
+    checked against the module's MINIMUM. Raises :class:`~pimm_fn.settings.SettingsError`.
+    """
+    return resolve(module.SETTINGS, overrides, quick=getattr(module, "QUICK", None) if quick else None,
+                   minimum=getattr(module, "MINIMUM", None))

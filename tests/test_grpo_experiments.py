@@ -4,12 +4,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pimm_fn.experiment import RunContext, experiments_dir, load_experiment
+from pimm_fn.experiment import RunContext, experiment_settings, experiments_dir, load_experiment
 
 
 def _run_quick(name, tmp_path, **overrides):
     mod = load_experiment(str(experiments_dir() / f"{name}.py"))
-    settings = {**mod.SETTINGS, "compile": False, **overrides}
+    settings = {**experiment_settings(mod, quick=True), "compile": False, **overrides}
     run = mod.build(settings, RunContext(save_path=Path(tmp_path), quick=True))
     state, metrics, steps = run.state, None, 0
     for batch in run.loader.iter_epoch(0, 0):

@@ -60,7 +60,7 @@ def require(name: str, root: Optional[os.PathLike] = None) -> Path:
     if not path.is_file():
         env = f"PIMM_FN_DATA={data_root(root)} " if root is not None else ""
         raise DatasetMissingError(
-            f"data set {name!r} not found at {path}. Fetch it with:\n    {env}{fetch_command(name)}"
+            f"data set {name!r} not found at {path}; fetch it with: {env}{fetch_command(name)}"
         )
     return path
 
