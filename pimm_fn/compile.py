@@ -136,6 +136,17 @@ def _check_finite(step: "Step", state: TrainState, metrics: dict):
         )
 
 
+def _validate_first_batch(batch, name: str) -> None:
+    # Before the first trace: a batch whose keys disagree (32 inputs, 30 labels) would
+    # otherwise fail inside fake-tensor tracing with a message about symbolic sizes.
+    from .data.collate import validate_batch
+
+    try:
+        validate_batch(batch)
+    except ValueError as err:
+        raise ValueError(f"the batch handed to step {name!r} is malformed: {err}") from None
+
+
 def as_step(fn) -> Step:
     """Wrap a plain core function as a :class:`Step` (a Step is returned unchanged)."""
     return fn if isinstance(fn, Step) else Step(fn)
@@ -216,6 +227,7 @@ class CompiledStep:
         before = self.compile_count
         start = time.perf_counter()
         if not self._traced_once:
+            _validate_first_batch(batch, self.step.name)
             self._allow_autograd_tracing()
         try:
             if self.cache_dir is not None and not self._traced_once:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import operator
 import time
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
@@ -94,13 +95,17 @@ class History:
         0-dim tensors (a compiled step always does). None when that does not hold."""
         first = self._pending[0][1]
         keys = tuple(first)
-        if not all(isinstance(first[k], torch.Tensor) and first[k].dim() == 0 for k in keys):
+        if not keys or not all(isinstance(first[k], torch.Tensor) and first[k].dim() == 0 for k in keys):
             return None
+        n = len(keys)
         for _, m in self._pending:
-            if len(m) != len(keys):
+            if len(m) != n:
                 return None
         try:
-            return {k: torch.stack([m[k] for _, m in self._pending]).detach() for k in keys}
+            # Columns in C (itemgetter + zip), then one stack per metric.
+            get = operator.itemgetter(*keys) if n > 1 else (lambda m, k=keys[0]: (m[k],))
+            columns = zip(*[get(m) for _, m in self._pending])
+            return {k: torch.stack(col).detach() for k, col in zip(keys, columns)}
         except (KeyError, RuntimeError, TypeError):
             return None
 
@@ -180,11 +185,12 @@ class FitResult:
 def count_samples(batch) -> int:
     """Samples in a batch on this rank: ``len(offset)`` for point batches, else the leading dim."""
     if isinstance(batch, dict):
-        if "offset" in batch:
-            return int(len(batch["offset"]))
+        offset = batch.get("offset")
+        if offset is not None:
+            return len(offset)
         for v in batch.values():
             if isinstance(v, torch.Tensor) and v.dim() > 0:
-                return int(v.shape[0])
+                return v.shape[0]
         for v in batch.values():
             try:
                 return int(len(v))
@@ -313,6 +319,7 @@ class _Run:
         self.block_callbacks = tuple(cb for cb in self.callbacks if handles(cb, ev.StepBlock))
         self.block_seconds = float(block_seconds)
         self.rows: list = []  # the pending block's rows
+        self.checked_first_batch = False
         self.block_epoch = 0
         self.source = source
         self.epochs = epochs
@@ -438,6 +445,18 @@ class _Run:
         if saves and not terminal and not isinstance(event, ev.SaveRequested):
             self._save(state, saves, snap)
 
+    def _check_first_batch(self, batch):
+        # Once per run, on the host: a malformed batch is named here, before any step (and
+        # the compiler) sees it. Later batches are the loader's to check.
+        from .data.collate import validate_batch
+
+        self.checked_first_batch = True
+        try:
+            validate_batch(batch)
+        except ValueError as err:
+            c = self.state.cursor
+            raise ValueError(f"the loader's batch {c.position} of epoch {c.epoch} is malformed: {err}") from None
+
     def flush_block(self, state):
         """Deliver the pending steps as one StepBlock to the callbacks that take blocks."""
         rows, self.rows = self.rows, []
@@ -546,6 +565,8 @@ class _Run:
                     exhausted = True
                     self.instant("dataloader_exhausted")
                     break
+                if not self.checked_first_batch:
+                    self._check_first_batch(batch)
                 t1 = perf_counter()
                 state = self.state
                 if tracing:

@@ -5,7 +5,7 @@ Everything here feeds ``fit`` through the loader protocol documented in
 """
 from .collate import (
     InstanceCollate, PointCollate, collate, image_collate, instance_collate, mix3d,
-    point_collate, validate_point_batch,
+    point_collate, validate_batch, validate_point_batch,
 )
 from .datasets import (
     DigitsImages, FrogTissueBlocks, LidarBlocks, SyntheticScenes, SyntheticStream,
@@ -23,7 +23,7 @@ from . import transforms
 
 __all__ = [
     "InstanceCollate", "PointCollate", "collate", "image_collate", "instance_collate", "mix3d",
-    "point_collate", "validate_point_batch",
+    "point_collate", "validate_batch", "validate_point_batch",
     "DigitsImages", "FrogTissueBlocks", "LidarBlocks", "SyntheticScenes", "SyntheticStream",
     "read_vti", "synthetic_scene",
     "mark_point_dims_dynamic", "pad_points_to_bucket",

@@ -140,6 +140,34 @@ def validate_point_batch(batch: Mapping) -> None:
             raise ValueError(f"cloud {cloud} of the batch has NaN/inf coordinates (point {first})")
 
 
+# Keys that hold one row per sample (or per point) beside the input they label.
+_LABEL_KEYS = ("y", "label", "labels", "target", "targets", "segment", "instance")
+_INPUT_KEYS = ("x", "image", "images", "input", "inputs", "feat", "coord")
+
+
+def validate_batch(batch) -> None:
+    """Host checks of a batch before it reaches the compiler (fit's first batch, a compiled
+    step's first call): a point batch as :func:`validate_point_batch` checks it; otherwise
+    each label key (``y``, ``label``, ``target``, ``segment``, ...) must have as many rows as
+    the input (``x``, ``image``, ``feat``, ``coord``). Raises ValueError naming the key.
+    Batches of other kinds pass unchecked."""
+    if not isinstance(batch, Mapping):
+        return
+    if "offset" in batch and "coord" in batch:
+        validate_point_batch(batch)
+        return
+    rows = {k: v.shape[0] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    ref = next((k for k in _INPUT_KEYS if k in rows), None)
+    if ref is None:
+        return
+    for key in _LABEL_KEYS:
+        if key in rows and rows[key] != rows[ref]:
+            raise ValueError(
+                f"batch key {key!r} has {rows[key]} rows, {ref!r} has {rows[ref]}: each sample needs "
+                "exactly one label row; check the dataset's samples and the collate function"
+            )
+
+
 def _with_offsets(samples: Sequence[Mapping]) -> list:
     out = []
     for i, s in enumerate(samples):

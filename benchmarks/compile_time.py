@@ -1,0 +1,127 @@
+"""How long a compiled step's first call takes, in fresh processes: cold, warm, and with the step cache.
+
+For each model, five fresh Python processes run in sequence, each timing the first call(s)
+of ``compile_step(steps.supervised(clip_grad=1.0))`` (import time is reported apart):
+
+1. first_ever  empty inductor cache, no ISA-probe memo (a new machine, or PIMM_FN_ISA_MEMO=0)
+2. cold        empty inductor cache; the ISA-probe memo written by run 1 (any later compile)
+3. warm        a second process on run 2's inductor cache (dynamo still traces)
+4. cold+save   empty inductor cache, ``cache=DIR``: compiles through aot_compile and saves
+5. warm+load   a second process on run 4's caches: loads the saved step (no dynamo)
+
+mlp: the MLP 64-256-10 step of benchmarks/overhead.py (batch 256). pointseg: PointSegNet on
+variable-size point batches (benchmarks/workloads.py); its figure is the first two calls
+(the second compiles the dynamic point count; a loaded static step falls back to dynamo there).
+
+    python benchmarks/compile_time.py                 # both models -> results/compile_time.{json,txt}
+    python benchmarks/compile_time.py --models mlp
+
+Read the load average printed with the table: compile times on a busy machine are noise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+RUNS = ("first_ever", "cold", "warm", "cold+save", "warm+load")
+
+
+def _child(model: str, cache: str | None) -> dict:
+    t0 = time.perf_counter()
+    import torch
+
+    from pimm_fn import compile_step, steps
+
+    imported = time.perf_counter() - t0
+    if model == "mlp":
+        sys.path.insert(0, HERE)
+        from overhead import _mlp_setup
+
+        state, loader = _mlp_setup(4, 1)
+        batches = loader[:1]
+    else:
+        sys.path.insert(0, ROOT)
+        from benchmarks.workloads import pointseg
+
+        w = pointseg(n_batches=2)
+        state, batches = w.state, w.batches[:2]
+    step = compile_step(steps.supervised(clip_grad=1.0), cache=cache)
+    t = time.perf_counter()
+    for b in batches:
+        state, metrics = step(state, b)
+    float(metrics["loss"])
+    return {"import_s": imported, "first_calls_s": time.perf_counter() - t, "calls": len(batches),
+            "compile_count": step.compile_count, "loaded_from_cache": step.loaded_from_cache,
+            "threads": torch.get_num_threads()}
+
+
+def _spawn(model: str, env: dict, cache: str | None) -> dict:
+    code = (f"import sys, json; sys.path.insert(0, {HERE!r}); import compile_time as c; "
+            f"print(json.dumps(c._child({model!r}, {cache!r})))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"{model} probe failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(model: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="pimm_fn_compile_time_") as tmp:
+        d = lambda name: os.path.join(tmp, name)  # noqa: E731
+        base = {k: v for k, v in os.environ.items() if k not in ("PIMM_FN_ISA_MEMO",)}
+        base["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p])
+        plan = {
+            "first_ever": (dict(XDG_CACHE_HOME=d("home"), TORCHINDUCTOR_CACHE_DIR=d("ind1")), None),
+            "cold": (dict(XDG_CACHE_HOME=d("home"), TORCHINDUCTOR_CACHE_DIR=d("ind2")), None),
+            "warm": (dict(XDG_CACHE_HOME=d("home"), TORCHINDUCTOR_CACHE_DIR=d("ind2")), None),
+            "cold+save": (dict(XDG_CACHE_HOME=d("home"), TORCHINDUCTOR_CACHE_DIR=d("ind3")), d("steps")),
+            "warm+load": (dict(XDG_CACHE_HOME=d("home"), TORCHINDUCTOR_CACHE_DIR=d("ind3")), d("steps")),
+        }
+        out = {}
+        for run in RUNS:
+            env, cache = plan[run]
+            load = [round(x, 2) for x in os.getloadavg()]
+            out[run] = {**_spawn(model, {**base, **env}, cache), "load_before": load}
+            print(f"  {model} {run}: {out[run]['first_calls_s']:.2f} s (load {load[0]})", flush=True)
+        return out
+
+
+def table(res: dict) -> str:
+    lines = [f"load average before {res['load_before']} after {res['load_after']}", "",
+             "| model | " + " | ".join(RUNS) + " | import |", "|---|" + "---|" * (len(RUNS) + 1)]
+    for model, runs in res["models"].items():
+        cells = [f"{runs[r]['first_calls_s']:.2f} s" + (" (loaded)" if runs[r]["loaded_from_cache"] else "")
+                 for r in RUNS]
+        lines.append(f"| {model} ({runs['cold']['calls']} call{'s' if runs['cold']['calls'] > 1 else ''}) | "
+                     + " | ".join(cells) + f" | {runs['cold']['import_s']:.2f} s |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="mlp,pointseg")
+    p.add_argument("--json", default=os.path.join(RESULTS, "compile_time.json"))
+    args = p.parse_args(argv)
+    res = {"load_before": [round(x, 2) for x in os.getloadavg()], "models": {}}
+    for model in args.models.split(","):
+        res["models"][model] = measure(model)
+    res["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    text = table(res)
+    print(text)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as fh:
+        json.dump(res, fh, indent=1)
+    with open(os.path.splitext(args.json)[0] + ".txt", "w") as fh:
+        fh.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
