@@ -40,8 +40,9 @@ class TrainStart(Event):
 
     epoch / iteration: the cursor the run starts from (iteration = batches already consumed
     in that epoch); resumed: the state had made progress before this call.
-    loader / callbacks: the training loader and the callback list, for callbacks that save
-    or restore their state (Checkpoint).
+    loader / callbacks / history: the training loader, the callback list and the run's
+    :class:`~pimm_fn.fit.History` (or None), for callbacks that save or restore their
+    state (Checkpoint).
     """
 
     epoch: int
@@ -52,6 +53,7 @@ class TrainStart(Event):
     resumed: bool
     loader: Any = attrs.field(default=None, repr=False, eq=False)
     callbacks: tuple = attrs.field(default=(), repr=False, eq=False)
+    history: Any = attrs.field(default=None, repr=False, eq=False)
 
 
 @_frozen

@@ -115,9 +115,32 @@ class History:
             "steps": torch.tensor([s for s, _ in self._pending], dtype=torch.int64),
             "metrics": metrics,
         }
-        self.records.append(rec)
+        last = self.records[-1] if self.records else None
+        if last is not None and last["epoch"] == rec["epoch"] and set(last["metrics"]) == set(metrics):
+            # The rest of an epoch a resumed run restored the first part of: one record.
+            last["steps"] = torch.cat([last["steps"], rec["steps"]])
+            last["metrics"] = {k: torch.cat([last["metrics"][k], v]) for k, v in metrics.items()}
+        else:
+            self.records.append(rec)
         self._pending, self._pending_epoch = [], None
         return {k: v.float().mean() for k, v in metrics.items()}
+
+    def state_dict(self) -> dict:
+        """The records so far (the open epoch's steps included), as tensors: what a
+        checkpoint carries so that a resumed run can hand back the whole run's history."""
+        records = [dict(r) for r in self.records]
+        if self._pending:
+            snapshot = History()
+            snapshot._pending, snapshot._pending_epoch = list(self._pending), self._pending_epoch
+            snapshot._close()
+            records += snapshot.records
+        return {"records": [{"epoch": r["epoch"], "steps": r["steps"], "metrics": dict(r["metrics"])}
+                            for r in records]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.records = [{"epoch": int(r["epoch"]), "steps": r["steps"], "metrics": dict(r["metrics"])}
+                        for r in state.get("records", [])]
+        self._pending, self._pending_epoch = [], None
 
     @property
     def epochs(self) -> list[int]:
@@ -325,7 +348,7 @@ class _Run:
         self.epochs = epochs
         self.guard = guard
         self.trace = trace
-        self.history = History() if history else None
+        self.history = history if isinstance(history, History) else (History() if history else None)
         self.empty_cache = empty_cache if torch.cuda.is_available() else None
         self.stop_reason: Optional[str] = None
         self.state = None
@@ -673,7 +696,7 @@ def fit(
     epochs: int,
     callbacks: Sequence[Callable] = (),
     iters_per_epoch: Optional[int] = None,
-    history: bool = True,
+    history=True,
     guard_state: str = "cheap",
     detect_anomaly: bool = False,
     matmul_precision: Optional[str] = None,
@@ -698,7 +721,9 @@ def fit(
       callbacks: ``cb(event, state)`` callables; see :mod:`pimm_fn.callbacks`.
       iters_per_epoch: steps per epoch; needed for iterable data without a length (see
         :func:`resolve_iters_per_epoch`). A loader that ends sooner ends the epoch early.
-      history: keep the step metrics (as tensors) in ``FitResult.history``.
+      history: keep the step metrics (as tensors) in ``FitResult.history``; or a
+        :class:`History` to continue (a resumed run: ``callbacks.resume(..., history=h)``
+        fills it from the checkpoint, and ``fit(..., history=h)`` then returns the whole run's).
       guard_state: ``"cheap"`` (default) catches a callback assigning attributes or entries of
         the state, checked once per event (the error names the callbacks that saw it);
         ``"full"`` checks after each callback, names the one, and also catches in-place tensor
@@ -739,7 +764,7 @@ def fit(
                     step=run.step, epoch=cursor.epoch, iteration=cursor.position, samples_seen=cursor.samples_seen,
                     epochs=epochs, iters_per_epoch=run.source.iters_per_epoch,
                     resumed=run.step > 0 or cursor.epoch > 0 or cursor.position > 0,
-                    loader=loader, callbacks=run.callbacks,
+                    loader=loader, callbacks=run.callbacks, history=run.history,
                 ),
                 state,
             )

@@ -331,3 +331,24 @@ def test_a_failed_background_write_raises_on_the_training_thread_and_keeps_lates
     assert latest.name != "step_4.ckpt" and not (tmp_path / "step_4.ckpt").exists()
     ckpt.verify(latest)  # whatever latest names is complete
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_resumed_fit_hands_back_the_whole_runs_history_from_the_checkpoint(data, tmp_path):
+    from pimm_fn import History
+
+    full = fit(make_state(), PermLoader(*data), step_fn, epochs=3).history  # 12 steps
+    # a run stopped mid-epoch 1 at step 6; Checkpoint saves its final state there
+    first = fit(make_state(), PermLoader(*data), step_fn, epochs=3,
+                callbacks=[Checkpoint(tmp_path, every_epochs=1), on(ev.StepEnd, once=6)(lambda e, s: ev.Stop())])
+    assert first.status == "stopped" and len(first.history) == 6
+    history = History()
+    state = resume(tmp_path, make_state(), loader=PermLoader(*data), history=history)
+    assert int(state.step) == 6 and history.steps == list(range(1, 7))
+    rest = fit(state, PermLoader(*data), step_fn, epochs=3, callbacks=[Checkpoint(tmp_path, every_epochs=1)],
+               history=history)
+    assert rest.history is history and history.steps == list(range(1, 13))
+    assert torch.equal(history.values("loss"), full.values("loss"))
+    assert history.epochs == [0, 1, 2]  # epoch 1's two halves are one record
+    assert [e["loss"] for e in history.epoch_averages()] == [e["loss"] for e in full.epoch_averages()]
+    # without a History, resume leaves the history alone: fit returns this call's steps only
+    assert len(fit(state, PermLoader(*data), step_fn, epochs=3).history) == 6

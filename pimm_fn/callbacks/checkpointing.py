@@ -97,9 +97,11 @@ class Checkpoint(Callback):
     def _extra(self) -> dict:
         loader_sd = getattr(self._loader, "state_dict", None)
         keys = _callback_keys(self._callbacks)
+        history = getattr(self, "_history", None)
         return {
             "checkpoint": self.state_dict(),
             "loader": loader_sd() if callable(loader_sd) else None,
+            "history": history.state_dict() if history is not None else None,
             "callbacks": {keys[id(cb)]: cb.state_dict() for cb in self._callbacks
                           if id(cb) in keys and cb is not self and cb.state_dict() is not None},
         }
@@ -157,7 +159,7 @@ class Checkpoint(Callback):
         return event_type is not ev.StepEnd or self.every_steps is not None
 
     def on_train_start(self, event, state):
-        self._loader, self._callbacks = event.loader, event.callbacks
+        self._loader, self._callbacks, self._history = event.loader, event.callbacks, event.history
 
     def on_step_end(self, event, state):
         done = self._finished(wait=False) if self._pending else []
@@ -241,7 +243,7 @@ def restore_latest(directory, like):
     return ckpt.restore(path, like)
 
 
-def resume(path, like, *, loader=None, callbacks: Sequence = (), must_exist: bool = False):
+def resume(path, like, *, loader=None, callbacks: Sequence = (), must_exist: bool = False, history=None):
     """The state to (re)start a run from: the latest checkpoint in ``path``, else ``like``.
 
     path: a checkpoint folder (its latest complete checkpoint is used; none yet -> ``like``,
@@ -250,6 +252,10 @@ def resume(path, like, *, loader=None, callbacks: Sequence = (), must_exist: boo
     loader / callbacks: their saved state (``extra["loader"]``, ``extra["callbacks"]``,
         the Checkpoint's best metric) is loaded back into them.
     must_exist: raise instead of starting fresh when ``path`` holds no checkpoint.
+    history: a :class:`pimm_fn.History` to fill with the run's step metrics up to the
+        checkpoint (carried in the checkpoint; steps a killed run made after it are not
+        there, they run again); pass it on as ``fit(..., history=history)`` to get the
+        whole run's history back. Left empty when the checkpoint has none.
     """
     p = Path(path)
     if p.is_file():
@@ -268,6 +274,8 @@ def resume(path, like, *, loader=None, callbacks: Sequence = (), must_exist: boo
         # Let the checkpoint module name the missing file (and suggest neighbours).
         state, extra = ckpt.restore(p, like)
     extra = extra if isinstance(extra, dict) else {}
+    if history is not None and extra.get("history"):
+        history.load_state_dict(extra["history"])
     if loader is not None and extra.get("loader") is not None and callable(getattr(loader, "load_state_dict", None)):
         loader.load_state_dict(extra["loader"])
     saved = extra.get("callbacks") or {}
