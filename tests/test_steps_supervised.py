@@ -296,3 +296,54 @@ def test_compiled_step_boundary_keeps_the_rng_contract_and_restores_dynamo_confi
     assert torch.equal(m1["loss"], m2["loss"])
     assert all(torch.equal(a, b) for a, b in zip(tree_leaves(s1.params), tree_leaves(s2.params)))
     assert s1.rng.counter == state.rng.counter + 1 and s1.cursor == state.cursor
+
+
+class InputBNNet(torch.nn.Module):
+    """BatchNorm straight on the inputs, so its statistics depend on the batches alone; the
+    batch's ``loss_weight`` scales the loss (an inf weight: a finite forward, a non-finite step).
+
+    ``momentum=None`` makes the running statistics a cumulative average weighted by
+    ``num_batches_tracked``. torch's BatchNorm then reads that count on the host
+    (``1 / float(num_batches_tracked)``), which no fullgraph compile can trace, so the
+    compiled case uses the default momentum (the count must still stay put).
+    """
+
+    def __init__(self, momentum):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(6, momentum=momentum)
+        self.fc = torch.nn.Linear(6, 4)
+
+    def forward(self, batch):
+        logits = self.fc(self.bn(batch["x"]))
+        return {"loss": torch.nn.functional.cross_entropy(logits, batch["y"]) * batch["loss_weight"]}
+
+
+@pytest.mark.parametrize("mode, momentum", [("eager", None), ("eager", 0.1), ("compiled", 0.1)])
+def test_skipped_step_leaves_every_buffer_as_before(mode, momentum, compiled_adamw_step):
+    step = supervised(clip_grad=1.0) if mode == "eager" else compiled_adamw_step
+    torch.manual_seed(5)
+    model = InputBNNet(momentum)
+    reference = copy.deepcopy(model.bn)  # the real BatchNorm, fed only the applied batches
+    state = TrainState.create(model, optim.sgd(lr=0.1))
+    batches = [{**b, "loss_weight": torch.tensor(1.0)} for b in make_batches(4, seed=5)]
+    batches[1]["x"][3, 2] = float("nan")  # non-finite forward: BN's batch statistics are NaN
+    batches[2]["loss_weight"] = torch.tensor(float("inf"))  # finite BN forward, inf loss and gradients
+
+    state, m = step(state, batches[0])
+    assert float(m["skipped"]) == 0.0
+    reference(batches[0]["x"])
+    applied = {k: v.clone() for k, v in state.buffers.items()}
+    assert int(applied["bn.num_batches_tracked"]) == 1
+    for bad in batches[1:3]:
+        state, m = step(state, bad)
+        assert float(m["skipped"]) == 1.0
+        for k, v in applied.items():
+            assert torch.equal(state.buffers[k], v), f"a skipped step changed buffer {k}"
+    state, m = step(state, batches[3])
+    assert float(m["skipped"]) == 0.0
+    reference(batches[3]["x"])
+    assert int(state.buffers["bn.num_batches_tracked"]) == int(reference.num_batches_tracked) == 2
+    # momentum=None: the running mean is the plain average of the two applied batches' means.
+    # (a skipped step that advanced the count would weight the second batch 1/3, not 1/2)
+    torch.testing.assert_close(state.buffers["bn.running_mean"], reference.running_mean, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(state.buffers["bn.running_var"], reference.running_var, rtol=1e-6, atol=1e-7)

@@ -80,9 +80,15 @@ def point_batch_stats(batch) -> dict:
     return {}
 
 
-def keep_finite_buffers(new: dict, old: dict) -> dict:
-    """Take each updated buffer unless it went non-finite (a NaN batch must not poison BN)."""
-    return {k: torch.where(torch.isfinite(new[k]).all(), new[k], old[k]) for k in new}
+def applied_buffers(applied: torch.Tensor, new: dict, old: dict) -> dict:
+    """The buffers after a step: the updated ones if the step was applied, else ``old`` exactly.
+
+    applied: 0-dim bool (the step's finite check). A skipped step leaves every buffer as
+    it was, BatchNorm's ``num_batches_tracked`` included (with ``momentum=None`` it sets
+    the running average's weight). An applied step still keeps the old value of any
+    buffer that went non-finite (a NaN batch must not poison BN).
+    """
+    return {k: torch.where(applied & torch.isfinite(new[k]).all(), new[k], old[k]) for k in new}
 
 
 def weighted_sum(trees: Sequence[Any], weights: Sequence[torch.Tensor]):

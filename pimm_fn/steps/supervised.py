@@ -13,7 +13,7 @@ from ..amp import LossScaleConfig, as_autocast, unscale_factor, update_loss_scal
 from ..compile import Step
 from ..optim.base import apply_updates
 from ..tree import all_finite, global_norm, tree_map, tree_where
-from .common import forward_backward, keep_finite_buffers, point_batch_stats, scalar_metrics, weighted_sum
+from .common import applied_buffers, forward_backward, point_batch_stats, scalar_metrics, weighted_sum
 
 GradTransform = Callable[[dict], dict]
 
@@ -37,6 +37,8 @@ def supervised(
         (``TrainState.create(..., loss_scale=True)``).
     nonfinite: what a non-finite loss or gradient does: "skip" (the update is not
         applied; ``metrics["skipped"]`` is 1) or "raise" (FloatingPointError, a host sync).
+        A skipped step leaves params, optimizer state and every buffer (BatchNorm's
+        running statistics and ``num_batches_tracked``) exactly as they were.
         Under loss scaling such steps are always skipped, as GradScaler does.
     grad_transform: applied to the (unscaled) gradients before clipping, e.g. the
         all-reduce of data parallelism.
@@ -96,7 +98,7 @@ def supervised(
         new_state = state.replace(
             step=state.step + 1,
             params=params,
-            buffers=keep_finite_buffers(buffers, state.buffers),
+            buffers=applied_buffers(finite, buffers, state.buffers),
             opt_state=opt_state,
             loss_scale=new_scaler,
         )
