@@ -18,8 +18,11 @@ from pimm_fn.models import (
     per_cloud_sum,
     voxel_groups,
 )
+from pimm_fn.models.point_seg import group_max, group_mean, segment_pool, voxel_segments
+from pimm_fn.optim import adamw
 from pimm_fn.state import TrainState
 from pimm_fn.steps import supervised
+from pimm_fn.tree import tree_flatten_with_path
 
 try:
     from pimm_fn.optim import sgd
@@ -183,6 +186,89 @@ def test_compiled_seg_step_matches_eager(compiled_run):
     _, _, metrics, eager_state, eager_metrics = compiled_run
     torch.testing.assert_close(metrics[0]["loss"], eager_metrics["loss"], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(metrics[0]["grad_norm"], eager_metrics["grad_norm"], rtol=1e-3, atol=1e-5)
+
+
+# ----------------------------------------------------------------- deterministic mode
+
+
+def test_segment_pool_equals_scatter_pooling_values_and_gradients():
+    batch = shapes_cloud([700, 500], seed=2)
+    points = batch_index(batch["offset"], 1200)
+    seg = voxel_segments(batch["grid_coord"], points, 2)
+    group = voxel_groups(batch["grid_coord"], points, 2)
+    assert torch.equal(seg.group, group)
+    assert torch.equal(seg.lengths, torch.bincount(group, minlength=1200))
+    assert torch.equal(group[seg.perm], torch.sort(group).values)  # perm lists the segments in order
+    g = torch.Generator().manual_seed(0)
+    # Rounded values: ties inside a voxel, where max pooling splits the gradient. None is 0:
+    # scatter_reduce's backward counts its zero-initialised table as one more tie there.
+    x = ((torch.randn(1200, 5, generator=g) * 2).round() + 0.5).requires_grad_(True)
+    w = torch.randn(1200, 5, generator=g)
+    for reduce, scatter_pool in (("mean", group_mean), ("max", group_max)):
+        out = segment_pool(x, seg, reduce)
+        ref = scatter_pool(x, group)
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+        grad, = torch.autograd.grad((out * w).sum(), x)
+        ref_grad, = torch.autograd.grad((ref * w).sum(), x)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="reduce"):
+        segment_pool(x, seg, "sum")
+    # same parameters in both modes: a checkpoint of one loads into the other
+    assert small_net().state_dict().keys() == small_net(deterministic=True).state_dict().keys()
+
+
+DET_SIZES = [(2600, 2500), (2900, 2300), (3100, 3000), (2400, 2450)]  # all > 4096: see compiled_run
+
+
+def _train(step, deterministic, threads=2):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        state = TrainState.create(small_net(deterministic=deterministic), adamw(1e-2))
+        metrics = []
+        for i, size in enumerate(DET_SIZES):
+            state, m = step(state, shapes_cloud(list(size), seed=i))
+            metrics.append(m)
+        return state, metrics
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def deterministic_runs():
+    """Two identical runs of the compiled deterministic step on 2 threads (one compile)."""
+    step = compile_step(supervised(clip_grad=1.0), dynamic=True)
+    first = _train(step, True)
+    second = _train(step, True)
+    return step, first, second
+
+
+def _tensors(state):
+    return tree_flatten_with_path((state.params, state.buffers, state.opt_state))
+
+
+def test_deterministic_seg_step_is_bitwise_repeatable_on_two_threads(deterministic_runs):
+    step, (a, ma), (b, mb) = deterministic_runs
+    assert step.compile_count <= 2, step.recompile_reasons  # fullgraph, dynamic point count
+    assert int(a.step) == len(DET_SIZES) and all(float(m["skipped"]) == 0 for m in ma)
+    paths, leaves_a, _ = _tensors(a)
+    _, leaves_b, _ = _tensors(b)
+    for path, x, y in zip(paths, leaves_a, leaves_b):
+        assert torch.equal(x, y), f"{path} differs between two identical deterministic runs"
+    for x, y in zip(ma, mb):
+        assert all(torch.equal(x[k], y[k]) for k in x)
+    # the runs trained (the check above is not vacuous)
+    assert not torch.equal(a.params["head.1.weight"], small_net().head[1].weight)
+
+
+def test_deterministic_seg_step_follows_the_default_step():
+    """Eager, 1 thread: the deterministic mode computes the same step up to float rounding."""
+    runs = [_train(supervised(clip_grad=1.0), det, threads=1) for det in (False, True)]
+    (ref, ref_m), (det, det_m) = runs
+    for x, y in zip(ref_m, det_m):
+        torch.testing.assert_close(x["loss"], y["loss"], rtol=1e-5, atol=1e-6)
+    for k in ref.params:
+        torch.testing.assert_close(ref.params[k], det.params[k], rtol=1e-4, atol=1e-5)
 
 
 # ----------------------------------------------------------------- image / MLP classifiers
