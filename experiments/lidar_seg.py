@@ -39,6 +39,7 @@ SETTINGS = {
     "num_workers": 0,
     "compile": True,
     "amp": "",                # "", "bfloat16" or "float16" (float16 turns on loss scaling)
+    "deterministic": False,   # sort-based voxel pooling: bitwise repeatable on any thread count
     "seed": 0,
 }
 # --quick (a smoke test) changes these; an explicit --set wins over them.
@@ -87,7 +88,8 @@ def build(settings: dict, ctx) -> Run:
         transform=transform(s["grid_size"], "train"), num_workers=s["num_workers"],
         rank=ctx.rank, world_size=ctx.world_size, iters_per_epoch=2 if ctx.quick else None)
     val_loader = build_eval_loader(LidarBlocks("val"), batch_size=1, transform=transform(s["grid_size"], "test"))
-    model = PointSegNet(in_channels=4, num_classes=LidarBlocks.num_classes, width=s["width"])
+    model = PointSegNet(in_channels=4, num_classes=LidarBlocks.num_classes, width=s["width"],
+                        deterministic=s["deterministic"])
     total = len(train_loader) * s["epochs"]
 
     def cycle(max_lr):

@@ -131,11 +131,12 @@ def test_eval_prints_metrics(lidar_compiled):
 
 # --------------------------------------------------------------------------- SIGKILL + --resume
 
-RESUME_ARGS = ("--no-progress", "--set", "compile=false", "--set", "epochs=4")  # 5 steps per epoch, 20 in all
-# One intra-op thread: with two, PointSegNet's eager backward (index_add / gather over
-# voxel groups) is not bitwise reproducible on the CPU even between two uninterrupted runs
+# 5 steps per epoch, 20 in all. Two intra-op threads, in PointSegNet's deterministic mode:
+# its default pooling (index_add / scatter_reduce, whose backward scatter-adds over voxel
+# groups) is not bitwise reproducible on two threads even between two uninterrupted runs
 # (parameters drift ~1e-4 in 10 steps), which would hide what this test checks.
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+RESUME_ARGS = ("--no-progress", "--set", "compile=false", "--set", "epochs=4", "--set", "deterministic=true")
+TWO_THREADS = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
 
 
 def _last_logged_step(save: Path) -> int:
@@ -151,7 +152,8 @@ def _final_state(save: Path):
     from pimm_fn.experiment import RunContext, load_experiment
 
     mod = load_experiment("lidar_seg")
-    like = mod.build({**mod.SETTINGS, "compile": False, "epochs": 4}, RunContext(save_path=save)).state
+    like = mod.build({**mod.SETTINGS, "compile": False, "epochs": 4, "deterministic": True},
+                     RunContext(save_path=save)).state
     state, _ = restore(CheckpointDir(save / "checkpoints").latest(), like)
     return state
 
@@ -160,11 +162,11 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     from pimm_fn.tree import tree_flatten_with_path
 
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    cli("train", "lidar_seg", "--save-path", straight, *RESUME_ARGS, env=ONE_THREAD)
+    cli("train", "lidar_seg", "--save-path", straight, *RESUME_ARGS, env=TWO_THREADS)
 
     cmd = [sys.executable, "-m", "pimm_fn", "train", "lidar_seg", "--save-path", str(killed), *RESUME_ARGS]
     err = open(tmp_path / "killed.stderr", "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **ONE_THREAD})
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **TWO_THREADS})
     try:
         deadline = time.monotonic() + 300
         # kill mid-epoch 2: after the epoch-1 checkpoint, steps 7+ in flight
@@ -183,7 +185,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     killed_at = _last_logged_step(killed)
     assert killed_at < 20 and not (killed / "summary.json").exists()
 
-    resumed = cli("train", "lidar_seg", "--save-path", killed, "--resume", *RESUME_ARGS, env=ONE_THREAD)
+    resumed = cli("train", "lidar_seg", "--save-path", killed, "--resume", *RESUME_ARGS, env=TWO_THREADS)
     assert "resuming from step" in resumed.stdout, resumed.stdout
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["step"] == 20
