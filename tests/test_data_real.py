@@ -45,6 +45,16 @@ def test_fetch_cli_reports_cached_file(root):
     assert "digits.csv.gz" in out
 
 
+def test_fetch_all_as_setup_runs_it_prints_no_warning(root):
+    # scripts/setup.sh runs `python -m pimm_fn.data.fetch all`; "-W default" shows every
+    # warning, runpy's "found in sys.modules" RuntimeWarning and DeprecationWarnings included.
+    proc = subprocess.run([sys.executable, "-W", "default", "-m", "pimm_fn.data.fetch", "all"],
+                          capture_output=True, text=True, env={**os.environ, "PIMM_FN_DATA": root})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr
+    assert [line.split(":")[0] for line in proc.stdout.splitlines()] == ["lidar", "frog", "digits"], proc.stdout
+
+
 def test_lidar_blocks(root):
     train, val = LidarBlocks("train", root=root), LidarBlocks("val", root=root)
     assert (len(train), len(val)) == (20, 4)  # 24 blocks of 10 x 10, every 5th to val

@@ -81,6 +81,7 @@ def test_lidar_seg_compiled_writes_run_folder(lidar_compiled):
     assert json.loads((save / "settings.json").read_text())["compile"] is True
     assert 0.0 <= summary["final_eval"]["mIoU"] <= 1.0
     assert "pimm-fn: completed at step 4" in proc.stdout, proc.stdout
+    assert "Warning" not in proc.stderr, proc.stderr  # the README's main job prints no warning
 
 
 @pytest.mark.parametrize("name", [n for n in EXPERIMENTS if n != "lidar_seg"])

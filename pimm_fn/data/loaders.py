@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Iterator, Optional
 
@@ -34,6 +35,18 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .collate import PointCollate, collate
 from .sampler import ResumableSampler, samples_per_rank
+
+
+def _stateful_loader(*args, **kwargs) -> StatefulDataLoader:
+    """``StatefulDataLoader(...)`` without the UserWarning its constructor raises about itself.
+
+    torchdata calls the deprecated ``torch.set_vital`` in ``__init__``; every training
+    command would print that warning, which is torchdata's to fix and nothing a user can act on.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+        return StatefulDataLoader(*args, **kwargs)
+
 
 Transform = Callable[[Any, torch.Generator], Any]
 
@@ -171,7 +184,7 @@ class EpochLoader:
             self.drop_last = True  # every rank must run the same number of full steps
             self._len = self._iterable_len(iters_per_epoch)
             # workers must see set_epoch, which a persistent worker's dataset copy would miss
-            self._dl = StatefulDataLoader(dataset, drop_last=True, persistent_workers=False, **common)
+            self._dl = _stateful_loader(dataset, drop_last=True, persistent_workers=False, **common)
         else:
             check_nonempty(dataset, self.name)
             self.drop_last = bool(drop_last)
@@ -187,7 +200,7 @@ class EpochLoader:
                     f"{per_rank} per rank, fewer than one batch of {batch_size} with drop_last"
                 )
             self._len = min(natural, int(iters_per_epoch)) if iters_per_epoch else natural
-            self._dl = StatefulDataLoader(
+            self._dl = _stateful_loader(
                 _Keyed(dataset, transform, seed), sampler=self.sampler, drop_last=drop_last,
                 persistent_workers=persistent_workers and num_workers > 0, **common,
             )
@@ -269,8 +282,6 @@ class EpochLoader:
         if not self.iterable or "loader" not in state:
             return
         if state.get("num_workers") != self.num_workers or state.get("world_size") != self.world_size:
-            import warnings
-
             warnings.warn(
                 f"{self.name!r}: loader state saved with num_workers={state.get('num_workers')}, "
                 f"world_size={state.get('world_size')}; now {self.num_workers}, {self.world_size}. "

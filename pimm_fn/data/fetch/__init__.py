@@ -7,10 +7,13 @@ Each data set is a file inside a published package (nothing is committed here):
   frog    pyvista/examples/frog_tissues.vti of pyvista's wheel
   digits  sklearn/datasets/data/digits.csv.gz of scikit-learn's wheel
 The cache is ``$PIMM_FN_DATA`` or ``~/.cache/pimm_fn``.
+
+A package, not a module: the package ``pimm_fn.data`` imports these functions, so the
+command line lives in ``__main__.py``, which nothing imports. (Run as ``-m`` a module
+that its package has already imported, runpy warns that it is in sys.modules.)
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import shutil
@@ -116,19 +119,3 @@ def _extract(archive: Path, member: str, dest: Path) -> None:
             src = tar.extractfile(names[0])
             with src, open(dest, "wb") as out:
                 shutil.copyfileobj(src, out)
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pimm_fn.data.fetch", description=__doc__.split("\n")[0])
-    parser.add_argument("names", nargs="+", choices=[*SOURCES, "all"])
-    parser.add_argument("--root", default=None, help="cache dir (default $PIMM_FN_DATA or ~/.cache/pimm_fn)")
-    parser.add_argument("--force", action="store_true")
-    args = parser.parse_args(argv)
-    names = list(SOURCES) if "all" in args.names else args.names
-    for name in names:
-        print(f"{name}: {fetch(name, args.root, args.force)}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
