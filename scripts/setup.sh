@@ -13,6 +13,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 TORCH_INDEX="${PIMM_FN_TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
 # Pinned, and from an explicit index: on Linux a plain `pip install torch` from PyPI pulls
 # the multi-GB CUDA build.
-python -m pip install -q "torch==2.13.0" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
+# Where that index cannot be reached (an offline mirror), pip's configured index is tried.
+python -m pip install -q "torch==2.13.0" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} \
+  || { [ -n "$TORCH_INDEX" ] && echo "setup.sh: $TORCH_INDEX failed; trying pip's configured index" >&2 \
+       && python -m pip install -q "torch==2.13.0"; }
 python -m pip install -q -e ".[test]"
 python -m pimm_fn.data.fetch all
