@@ -102,6 +102,31 @@ def _run_core(core: StepCore, state: TrainState, batch):
     return _with_host(new_state, rng.next(), cursor), metrics
 
 
+def _run_unseeded(core: StepCore, state: TrainState, batch):
+    # For a compiled step seen to draw no random numbers: the generator is neither saved,
+    # seeded nor restored (~8 us of the boundary on a 2-core machine).
+    if not isinstance(state, TrainState):
+        raise TypeError(f"a step takes a TrainState as its first argument, got {type(state).__name__}")
+    new_state, metrics = core(_with_host(state, None, None), batch)
+    return _with_host(new_state, state.rng.next(), state.cursor), metrics
+
+
+def _run_probed(core: StepCore, state: TrainState, batch):
+    """``_run_core``, also saying whether the core drew from the generator (CUDA: assumed)."""
+    if torch.cuda.is_initialized() or not isinstance(state, TrainState):
+        return _run_core(core, state, batch), True
+    rng, cursor = state.rng, state.cursor
+    saved = _CPU_GENERATOR.get_state()
+    _CPU_GENERATOR.manual_seed(_rank_seed(rng.step_seed()))
+    seeded = _CPU_GENERATOR.get_state()
+    try:
+        new_state, metrics = core(_with_host(state, None, None), batch)
+        drew = not torch.equal(_CPU_GENERATOR.get_state(), seeded)
+    finally:
+        _CPU_GENERATOR.set_state(saved)
+    return (_with_host(new_state, rng.next(), cursor), metrics), drew
+
+
 class Step:
     """A pure step ``(state, batch) -> (state, metrics)`` with its host boundary.
 
@@ -178,6 +203,14 @@ class CompiledStep:
         self._pending_reasons: list[str] = []
         self._traced_once = False
         self._flag_set = False
+        # RNG: a compiled graph draws the same random numbers on every call (no control
+        # flow), so whether it draws at all is seen on its first run. Once every graph of
+        # this step ran without drawing, calls skip the generator's save/seed/restore;
+        # a graph that draws makes the step seed every call from then on (sticky).
+        self._rng_free = False
+        self._rng_used = False
+        self._current: Optional[TrainState] = None  # an unseeded call's state (seeds a recompile)
+        self._reseed = None  # (saved, seeded) generator states of a recompile seeded mid-call
         if eager:
             self._core = step.core
             return
@@ -202,15 +235,23 @@ class CompiledStep:
 
         def on_guard_fail(failure):
             # Dynamo calls this before it re-traces: the one moment besides the first call
-            # at which tracing needs the autograd flag (see __call__).
+            # at which tracing needs the autograd flag (see __call__), and at which an
+            # unseeded call must seed the generator for the graph it is about to make.
             self._pending_reasons.append(str(failure.reason))
             self._allow_autograd_tracing()
+            self._seed_mid_call()
 
         self._dynamic = dynamic
-        self._core = torch._dynamo.optimize(
-            backend, nopython=True, dynamic=dynamic, guard_fail_fn=on_guard_fail,
-            recompile_limit=recompile_limit, isolate_recompiles=True,
-        )(step.core)
+
+        def optimized(dynamic_shapes):
+            return torch._dynamo.optimize(
+                backend, nopython=True, dynamic=dynamic_shapes, guard_fail_fn=on_guard_fail,
+                recompile_limit=recompile_limit, isolate_recompiles=True,
+            )(step.core)
+
+        self._first_batch = None  # the cached step's example batch (shapes only are read)
+
+        self._core = optimized(dynamic)
 
     def _allow_autograd_tracing(self):
         # trace_autograd_ops lets dynamo trace torch.autograd.grad, which (unlike torch.func
@@ -229,13 +270,16 @@ class CompiledStep:
         if not self._traced_once:
             _validate_first_batch(batch, self.step.name)
             self._allow_autograd_tracing()
+        unseeded = self._rng_free and not torch.cuda.is_initialized()
+        if unseeded:
+            self._current = state
         try:
             if self.cache_dir is not None and not self._traced_once:
                 self._precompiled = self._from_cache(state, batch)
             out = None
             if self._precompiled is not None:
                 try:
-                    out = _run_core(self._precompiled, state, batch)
+                    out = self._run(self._precompiled, state, batch, unseeded)
                 except RuntimeError as err:
                     from . import step_cache
 
@@ -247,11 +291,17 @@ class CompiledStep:
                     # first compile is this one.
                     (self.recompile_reasons if self.compile_count == 0 else self._pending_reasons).append(reason)
                     self._precompiled = None
+                    if self._dynamic is None:
+                        # The sizes vary: mark the dims that differ from the cached step's
+                        # dynamic, as dynamo's automatic dynamic would have on this second
+                        # shape (its first, static, compile was the cached one).
+                        step_cache.mark_changed_dims(self._first_batch, batch)
                     self._allow_autograd_tracing()
+                    unseeded = False  # dynamo's first graph: no guard failure will seed it
             if out is not None:
                 new_state, metrics = out
             else:
-                new_state, metrics = self._run_dynamo(state, batch)
+                new_state, metrics = self._run_dynamo(state, batch, unseeded)
         except torch._dynamo.exc.Unsupported as compile_error:
             # Dynamo reports a user error raised while tracing (a missing "loss", a shape
             # mismatch) as "Observed exception". Running the pure core eagerly once turns
@@ -265,6 +315,14 @@ class CompiledStep:
             if self._flag_set:
                 _DYNAMO_CONFIG.trace_autograd_ops = False
                 self._flag_set = False
+            if unseeded:
+                self._current = None
+                if self._reseed is not None:
+                    saved, seeded = self._reseed
+                    self._reseed = None
+                    if not torch.equal(_CPU_GENERATOR.get_state(), seeded):
+                        self._rng_free, self._rng_used = False, True
+                    _CPU_GENERATOR.set_state(saved)
         self._traced_once = True
         if self.compile_count != before:
             self.compile_seconds.append(time.perf_counter() - start)
@@ -272,17 +330,42 @@ class CompiledStep:
             _check_finite(self.step, state, metrics)
         return new_state, metrics
 
-    def _run_dynamo(self, state: TrainState, batch):
+    def _run(self, fn, state: TrainState, batch, unseeded: bool):
+        if unseeded:
+            return _run_unseeded(fn, state, batch)
+        if self._rng_used:
+            return _run_core(fn, state, batch)
+        out, drew = _run_probed(fn, state, batch)
+        if drew:
+            self._rng_free, self._rng_used = False, True
+        else:
+            self._rng_free = True
+        return out
+
+    def _seed_mid_call(self):
+        state = self._current
+        if state is None or self._reseed is not None:
+            return
+        saved = _CPU_GENERATOR.get_state()
+        _CPU_GENERATOR.manual_seed(_rank_seed(state.rng.step_seed()))
+        self._reseed = (saved, _CPU_GENERATOR.get_state())
+
+    def _run_dynamo(self, state: TrainState, batch, unseeded: bool):
         try:
-            return _run_core(self._core, state, batch)
+            return self._run(self._core, state, batch, unseeded)
         except torch._dynamo.exc.Unsupported as err:
             # A re-trace dynamo started without a guard failure reaching guard_fail_fn
             # (e.g. a new model on a shared step) meets autograd.grad with the flag off:
-            # the failed trace left no cache entry, so trace again with it on.
+            # the failed trace left no cache entry, so trace again with it on (seeded: no
+            # guard failure will seed this graph either).
             if self._flag_set or "trace_autograd_ops" not in str(err):
                 raise
             self._allow_autograd_tracing()
-            return _run_core(self._core, state, batch)
+            if self._reseed is not None:  # the failed trace had seeded mid-call: undo it first
+                _CPU_GENERATOR.set_state(self._reseed[0])
+                self._reseed = None
+            self._current = None
+            return self._run(self._core, state, batch, False)
 
     def _from_cache(self, state: TrainState, batch):
         """The step from the disk cache, or compiled now through dynamo's precompile API and
@@ -291,8 +374,10 @@ class CompiledStep:
 
         start = time.perf_counter()
         inner = state.replace(rng=None, cursor=None)
+        self._first_batch = step_cache.shapes_of(batch)
         key = hashlib.sha256("|".join((
-            step_cache.fingerprint(self.step.core, state), step_cache.leaves_key(inner, batch), self._settings,
+            step_cache.fingerprint(self.step.core, state),
+            step_cache.leaves_key(inner, batch, shapes=self._dynamic is not True), self._settings,
         )).encode()).hexdigest()
         path = step_cache.artifact_path(self.cache_dir, self.step.name, key)
         self.cache_path = str(path)

@@ -173,7 +173,7 @@ class _Hasher:
         # Structure, hyperparameters (repr) and train/eval flags; the weights are state leaves.
         self.text(f"nn:{repr(m)}")
         self.text(repr(sorted((n, s.training) for n, s in m.named_modules())))
-        for sub in {type(s) for s in m.modules()}:
+        for sub in sorted({type(s) for s in m.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
             for klass in sub.__mro__:
                 if klass.__module__.startswith("torch."):
                     break
@@ -220,8 +220,11 @@ def fingerprint(core, state) -> str:
     return h.h.hexdigest()
 
 
-def leaves_key(inner_state, batch) -> str:
-    """Paths, shapes, dtypes, strides and devices of the traced inputs."""
+def leaves_key(inner_state, batch, shapes: bool = True) -> str:
+    """Paths, dtypes, devices, and (``shapes``) shapes and strides of the traced inputs.
+
+    A step compiled ``dynamic=True`` leaves shapes out: its artifact serves any size its
+    own guards accept, and rejects (falls back to compiling) the rest."""
     import optree
 
     from .tree import NAMESPACE
@@ -230,11 +233,45 @@ def leaves_key(inner_state, batch) -> str:
     parts = []
     for p, leaf in zip(paths, leaves):
         if isinstance(leaf, torch.Tensor):
-            parts.append((str(p), tuple(leaf.shape), str(leaf.dtype), tuple(leaf.stride()), str(leaf.device),
-                          leaf.requires_grad))
+            size = (tuple(leaf.shape), tuple(leaf.stride())) if shapes else leaf.dim()
+            parts.append((str(p), size, str(leaf.dtype), str(leaf.device), leaf.requires_grad))
         else:
             parts.append((str(p), type(leaf).__name__, repr(leaf)))
     return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def shapes_of(batch):
+    """The batch's tree with each tensor replaced by its shape."""
+    import optree
+
+    from .tree import NAMESPACE
+
+    return optree.tree_map(lambda x: tuple(x.shape) if isinstance(x, torch.Tensor) else None, batch,
+                           namespace=NAMESPACE, none_is_leaf=True)
+
+
+def mark_changed_dims(first_shapes, batch) -> None:
+    """``maybe_mark_dynamic`` the dims of ``batch``'s tensors whose size differs from
+    ``first_shapes`` (same tree): the dims dynamo would make dynamic on a second shape."""
+    import optree
+
+    from .tree import NAMESPACE
+
+    if first_shapes is None:
+        return
+    try:
+        old = optree.tree_leaves(first_shapes, namespace=NAMESPACE, none_is_leaf=True,
+                                 is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x))
+        new = optree.tree_leaves(batch, namespace=NAMESPACE, none_is_leaf=True)
+    except Exception:  # noqa: BLE001 - another structure: dynamo decides alone
+        return
+    if len(old) != len(new):
+        return
+    for shape, leaf in zip(old, new):
+        if isinstance(leaf, torch.Tensor) and isinstance(shape, tuple) and len(shape) == leaf.dim():
+            for d, (a, b) in enumerate(zip(shape, leaf.shape)):
+                if a != b:
+                    torch._dynamo.maybe_mark_dynamic(leaf, d)
 
 
 def artifact_path(directory: pathlib.Path, name: str, key: str) -> pathlib.Path:

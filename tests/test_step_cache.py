@@ -85,6 +85,8 @@ def test_anything_baked_into_the_step_changes_the_key():
     inner = _state().replace(rng=None, cursor=None)
     assert step_cache.leaves_key(inner, _batch(16)) != step_cache.leaves_key(inner, _batch(8))
     assert step_cache.leaves_key(inner, _batch(16)) == step_cache.leaves_key(inner, _batch(16, seed=5))
+    # a dynamic=True step's artifact serves any size its guards accept: sizes are not in the key
+    assert step_cache.leaves_key(inner, _batch(16), shapes=False) == step_cache.leaves_key(inner, _batch(8), shapes=False)
 
 
 def test_a_damaged_file_is_compiled_again_and_replaced(saved, tmp_path):
@@ -100,3 +102,55 @@ def test_a_damaged_file_is_compiled_again_and_replaced(saved, tmp_path):
     assert target.read_bytes() != b"not a compiled step"
     with pytest.raises(TypeError, match="cache"):
         compile_step(steps.supervised(), cache=3)
+
+
+def test_the_key_is_the_same_in_every_process():
+    # Hash seeds and object addresses differ per process; the key must not depend on them.
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from pimm_fn import TrainState, optim, schedules, steps, step_cache\n"
+        "from pimm_fn.models import PointSegNet\n"
+        "torch.manual_seed(0)\n"
+        "m = PointSegNet(in_channels=4, num_classes=3)\n"
+        "s = TrainState.create(m, optim.adamw(schedules.one_cycle(100, 1e-3)), seed=0)\n"
+        "print(step_cache.fingerprint(steps.supervised(clip_grad=1.0).core, s))\n"
+    )
+    keys = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+            for seed in ("1", "2", "3")}
+    assert len(keys) == 1
+
+
+class _DropoutBN(torch.nn.Module):
+    """Dropout (the boundary's RNG) and BatchNorm (buffers) through a cached step."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 16)
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.drop = torch.nn.Dropout(0.3)
+        self.out = torch.nn.Linear(16, 3)
+
+    def forward(self, batch):
+        logits = self.out(self.drop(torch.relu(self.bn(self.fc(batch["x"])))))
+        return {"loss": torch.nn.functional.cross_entropy(logits, batch["y"])}
+
+
+def test_dropout_and_batchnorm_through_a_loaded_step_equal_the_plain_compiled_step(tmp_path):
+    def fresh():
+        torch.manual_seed(1)
+        return TrainState.create(_DropoutBN(), optim.adamw(schedules.one_cycle(100, 1e-3)), seed=4)
+
+    batches = [_batch(seed=i) for i in range(3)]
+    plain, _ = _run(compile_step(steps.supervised(clip_grad=1.0)), fresh(), batches)
+    _run(compile_step(steps.supervised(clip_grad=1.0), cache=tmp_path), fresh(), batches)
+    loaded = compile_step(steps.supervised(clip_grad=1.0), cache=tmp_path)
+    got, _ = _run(loaded, fresh(), batches)
+    assert loaded.loaded_from_cache
+    for group in ("params", "buffers"):
+        for k, v in getattr(plain, group).items():
+            assert torch.equal(v, getattr(got, group)[k]), (group, k)

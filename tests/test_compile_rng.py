@@ -1,0 +1,82 @@
+"""The compiled step's RNG boundary: graphs that draw no random numbers skip the generator
+round trip; graphs that draw are seeded from the state's key, also when one appears late."""
+import torch
+
+from pimm_fn import TrainState, compile_step, optim, steps
+
+
+class _Net(torch.nn.Module):
+    """Dropout only for batches larger than ``big`` (a graph that draws appears late)."""
+
+    def __init__(self, big=None):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 12)
+        self.out = torch.nn.Linear(12, 3)
+        self.big = big
+
+    def forward(self, batch):
+        h = torch.relu(self.fc(batch["x"]))
+        if self.big is not None and batch["x"].shape[0] > self.big:
+            h = torch.nn.functional.dropout(h, 0.5, training=True)
+        return {"loss": torch.nn.functional.cross_entropy(self.out(h), batch["y"])}
+
+
+def _state(big=None):
+    torch.manual_seed(0)
+    return TrainState.create(_Net(big), optim.sgd(0.1), seed=3)
+
+
+def _batch(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(n, 6, generator=g), "y": torch.randint(0, 3, (n,), generator=g)}
+
+
+def _caller_stream_after(fn):
+    torch.manual_seed(123)
+    fn()
+    return torch.rand(4)
+
+
+def _same(a, b):
+    return all(torch.equal(a.params[k], b.params[k]) for k in a.params)
+
+
+def test_a_graph_without_random_ops_runs_without_the_generator_round_trip():
+    step = compile_step(steps.supervised())
+    s0, b = _state(), _batch(8)
+    s1, _ = step(s0, b)
+    assert step._rng_free and not step._rng_used
+    again, _ = step(s0, b)  # unseeded now: same state and batch, same result
+    assert _same(s1, again) and s1.rng.counter == s0.rng.counter + 1
+    clean = _caller_stream_after(lambda: None)
+    assert torch.equal(_caller_stream_after(lambda: step(s1, b)), clean)
+
+
+def test_a_graph_that_draws_is_seeded_from_the_key_every_call():
+    step = compile_step(steps.supervised())
+    s0, b = _state(big=4), _batch(8)
+    s1, _ = step(s0, b)
+    assert step._rng_used and not step._rng_free
+    again, _ = step(s0, b)
+    assert _same(s1, again)  # the key decides the dropout mask, not the caller's stream
+    other, _ = step(s0.replace(rng=s0.rng.replace(counter=7)), b)
+    assert not _same(s1, other)
+    clean = _caller_stream_after(lambda: None)
+    assert torch.equal(_caller_stream_after(lambda: step(s0, b)), clean)
+
+
+def test_a_drawing_graph_compiled_after_unseeded_calls_is_seeded_too():
+    step = compile_step(steps.supervised())
+    s0 = _state(big=8)
+    s1, _ = step(s0, _batch(8))  # 8 rows: no dropout, unseeded from here on
+    assert step._rng_free
+    big = _batch(16, seed=1)
+    clean = _caller_stream_after(lambda: None)
+    first = {}
+    # The recompile for 16 rows draws: seeded mid-call, and the caller's stream is kept.
+    assert torch.equal(_caller_stream_after(lambda: first.setdefault("s", step(s1, big)[0])), clean)
+    assert step.compile_count == 2 and step._rng_used and not step._rng_free
+    again, _ = step(s1, big)
+    assert _same(first["s"], again)
+    other, _ = step(s1.replace(rng=s1.rng.replace(counter=99)), big)
+    assert not _same(first["s"], other)
