@@ -133,12 +133,17 @@ class Step:
     core: the pure function over the state's tensor leaves. It must not read
         ``state.rng`` or ``state.cursor`` (they are None inside) and should advance
         ``state.step``. Calling a Step runs it eagerly; ``compile_step`` compiles it.
+    check_batch: optional ``(state, batch) -> None`` that raises on a batch the step cannot
+        use; a compiled step runs it on the host before its first trace.
     """
 
-    def __init__(self, core: StepCore, *, name: Optional[str] = None, raise_on_nonfinite: bool = False):
+    def __init__(self, core: StepCore, *, name: Optional[str] = None, raise_on_nonfinite: bool = False,
+                 check_batch: Optional[Callable] = None):
         self.core = core
         self.name = name or getattr(core, "__name__", "step")
         self.raise_on_nonfinite = raise_on_nonfinite
+        # check_batch(state, batch): host checks a compiled step runs before its first trace.
+        self.check_batch = check_batch
         functools.update_wrapper(self, core, updated=())
 
     def __call__(self, state: TrainState, batch):
@@ -269,6 +274,8 @@ class CompiledStep:
         start = time.perf_counter()
         if not self._traced_once:
             _validate_first_batch(batch, self.step.name)
+            if self.step.check_batch is not None:
+                self.step.check_batch(state, batch)
             self._allow_autograd_tracing()
         unseeded = self._rng_free and not torch.cuda.is_initialized()
         if unseeded:

@@ -70,3 +70,17 @@ def test_non_finite_inputs_after_the_first_batch_skip_their_update_by_default():
     after_good = step(state, good[0])[0]
     after_bad = fit(state, [good[0], bad], step, epochs=1).state
     assert all(torch.equal(after_good.params[k], after_bad.params[k]) for k in state.params)
+
+
+def test_a_batch_without_the_models_labels_is_named_as_such():
+    from pimm_fn.steps.common import MissingLossError
+
+    torch.manual_seed(0)
+    state = TrainState.create(MLPClassifier(4, 3, hidden=(8,)), optim.sgd(0.1), seed=0)
+    unlabelled = {"x": torch.randn(8, 4)}
+    step = compile_step(steps.supervised())
+    with pytest.raises(MissingLossError, match="the batch has no 'y' entry, the labels MLPClassifier computes"):
+        step(state, unlabelled)
+    assert step.compile_count == 0  # named on the host, before any trace
+    with pytest.raises(MissingLossError, match="no 'y' entry"):
+        steps.supervised()(state, unlabelled)  # eager too

@@ -21,6 +21,8 @@ class ImageClassifier(nn.Module):
     Global average pooling makes the net accept any H, W (at least 2**(depth-1)).
     """
 
+    label_key = "label"  # the batch entry its loss is computed from
+
     def __init__(self, in_channels: int, num_classes: int, width: int = 32, depth: int = 3):
         super().__init__()
         if depth < 1:
@@ -54,6 +56,8 @@ class MLPClassifier(nn.Module):
         num_classes: classes; ``batch["y"]`` is [B] int64 (-1 = ignore).
         hidden: hidden layer widths (ReLU between layers; no norm, so no buffers).
     """
+
+    label_key = "y"  # the batch entry its loss is computed from
 
     def __init__(self, in_features: int, num_classes: int, hidden: Sequence[int] = (64,)):
         super().__init__()

@@ -226,6 +226,8 @@ class PointSegNet(nn.Module):
     points, 0 when none is) and acc (labelled-point accuracy, logged as a metric).
     """
 
+    label_key = "segment"  # the batch entry its loss is computed from
+
     def __init__(self, in_channels: int, num_classes: int, width: int = 32,
                  strides: Sequence[int] = (2, 4, 8), widen: Optional[Sequence[int]] = None,
                  norm: str = "batch", pool: str = "max", class_weights: Optional[Sequence[float]] = None,

@@ -36,8 +36,24 @@ def require_loss(out, loss_key: str = "loss") -> torch.Tensor:
         raise MissingLossError(
             f"the model's output has no {loss_key!r} entry (keys: {sorted(out)}); return the "
             f"training loss as out[{loss_key!r}] or build the step with loss_key=<your key>"
+            " (models compute their loss only when the batch holds their labels: is the label key missing?)"
         )
     return out[loss_key]
+
+
+def check_labels(model, batch) -> None:
+    """Raise MissingLossError naming the label key when ``model`` declares one (``label_key``)
+    and a training batch lacks it: such a model returns no loss, and the step would fail on that."""
+    key = getattr(model, "label_key", None)
+    batches = batch if isinstance(batch, (list, tuple)) else (batch,)
+    for b in batches:
+        if key is not None and isinstance(b, dict) and key not in b:
+            raise MissingLossError(
+                f"the batch has no {key!r} entry, the labels {type(model).__name__} computes its loss from "
+                f"(batch keys: {sorted(b)}); a training batch needs them: keep {key!r} in the dataset's "
+                "samples and the collate function (an evaluation batch without labels goes to the model, "
+                "not to a training step)"
+            )
 
 
 def forward_backward(model, params: dict, buffers: dict, batch, *, scale: Optional[torch.Tensor] = None,
@@ -51,6 +67,8 @@ def forward_backward(model, params: dict, buffers: dict, batch, *, scale: Option
     leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     new_buffers = {k: v.clone() for k, v in buffers.items()}
     out = call_model(model, leaves, new_buffers, batch, autocast)
+    if isinstance(out, dict) and loss_key not in out:
+        check_labels(model, batch)  # name the missing label rather than the missing loss
     loss = require_loss(out, loss_key).float()
     objective = loss if scale is None else loss * scale
     grads = torch.autograd.grad(objective, list(leaves.values()), allow_unused=True)

@@ -13,7 +13,7 @@ from ..amp import LossScaleConfig, as_autocast, unscale_factor, update_loss_scal
 from ..compile import Step
 from ..optim.base import apply_updates
 from ..tree import all_finite, global_norm, tree_map, tree_where
-from .common import applied_buffers, forward_backward, point_batch_stats, scalar_metrics, weighted_sum
+from .common import applied_buffers, check_labels, forward_backward, point_batch_stats, scalar_metrics, weighted_sum
 
 GradTransform = Callable[[dict], dict]
 
@@ -104,7 +104,12 @@ def supervised(
         )
         return new_state, metrics
 
-    return Step(supervised_step, name="supervised", raise_on_nonfinite=(nonfinite == "raise"))
+    def labels_present(state, batch):
+        if loss_key == "loss":
+            check_labels(state.model, batch)
+
+    return Step(supervised_step, name="supervised", raise_on_nonfinite=(nonfinite == "raise"),
+                check_batch=labels_present)
 
 
 def _as_microbatches(batch, n: int) -> Sequence:
