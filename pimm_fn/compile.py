@@ -217,6 +217,8 @@ class CompiledStep:
         self._current: Optional[TrainState] = None  # an unseeded call's state (seeds a recompile)
         self._reseed = None  # (saved, seeded) generator states of a recompile seeded mid-call
         if eager:
+            # Python control flow may draw only sometimes: an eager step seeds every call.
+            self._rng_used = True
             self._core = step.core
             return
         from . import isa_memo

@@ -80,3 +80,14 @@ def test_a_drawing_graph_compiled_after_unseeded_calls_is_seeded_too():
     assert _same(first["s"], again)
     other, _ = step(s1.replace(rng=s1.rng.replace(counter=99)), big)
     assert not _same(first["s"], other)
+
+
+def test_an_eager_step_seeds_every_call_whatever_its_first_call_drew():
+    step = compile_step(steps.supervised(), eager=True)
+    s0 = _state(big=8)
+    step(s0, _batch(8))  # no dropout this time; eager control flow may draw next time
+    big = _batch(16, seed=1)
+    clean = _caller_stream_after(lambda: None)
+    first = {}
+    assert torch.equal(_caller_stream_after(lambda: first.setdefault("s", step(s0, big)[0])), clean)
+    assert _same(first["s"], step(s0, big)[0])
