@@ -134,12 +134,32 @@ class History:
             snapshot._pending, snapshot._pending_epoch = list(self._pending), self._pending_epoch
             snapshot._close()
             records += snapshot.records
+        keys = [sorted(r["metrics"]) for r in records]
+        if records and all(k == keys[0] for k in keys):
+            # One tensor per column, whatever the run's length: a checkpoint stays a handful
+            # of entries, not six per epoch.
+            return {
+                "epochs": [r["epoch"] for r in records],
+                "lengths": [len(r["steps"]) for r in records],
+                "steps": torch.cat([r["steps"] for r in records]),
+                "metrics": {k: torch.cat([r["metrics"][k] for r in records]) for k in keys[0]},
+            }
         return {"records": [{"epoch": r["epoch"], "steps": r["steps"], "metrics": dict(r["metrics"])}
                             for r in records]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.records = [{"epoch": int(r["epoch"]), "steps": r["steps"], "metrics": dict(r["metrics"])}
-                        for r in state.get("records", [])]
+        if "lengths" in state:
+            bounds = [0]
+            for n in state["lengths"]:
+                bounds.append(bounds[-1] + int(n))
+            self.records = [
+                {"epoch": int(e), "steps": state["steps"][a:b],
+                 "metrics": {k: v[a:b] for k, v in state["metrics"].items()}}
+                for e, a, b in zip(state["epochs"], bounds, bounds[1:])
+            ]
+        else:
+            self.records = [{"epoch": int(r["epoch"]), "steps": r["steps"], "metrics": dict(r["metrics"])}
+                            for r in state.get("records", [])]
         self._pending, self._pending_epoch = [], None
 
     @property

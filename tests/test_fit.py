@@ -403,3 +403,22 @@ def test_step_blocks_reach_writers_before_a_save_a_stop_and_an_interrupt(data, t
               callbacks=[blocks, on(ev.StepEnd, once=2)(interrupt)])
     assert res.status == "interrupted" and int(res.state.step) == 2
     assert [x[0] for x in blocks.log][-2:] == ["block", "Interrupted"] and blocks.blocks()[-1][1] == (1, 2)
+
+
+def test_history_state_dict_round_trips_compact_and_mixed(four_epochs):
+    from pimm_fn import History
+
+    h = four_epochs[0].history
+    sd = h.state_dict()
+    assert set(sd) == {"epochs", "lengths", "steps", "metrics"}  # one tensor per column
+    back = History()
+    back.load_state_dict(sd)
+    assert back.steps == h.steps and back.epochs == h.epochs
+    assert torch.equal(back.values("loss"), h.values("loss"))
+    mixed = History()
+    mixed._open(0).append((1, {"loss": torch.tensor(1.0)}))
+    mixed._close()
+    mixed._open(1).append((2, {"loss": torch.tensor(2.0), "acc": torch.tensor(0.5)}))  # left open
+    again = History()
+    again.load_state_dict(mixed.state_dict())
+    assert again.steps == [1, 2] and again.values("acc").tolist() == [0.5]
