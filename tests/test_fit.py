@@ -315,6 +315,7 @@ def test_fit_never_syncs_metrics(data):
     assert res.status == "completed" and len(res.history) == 12
 
 
+@pytest.mark.filterwarnings("ignore:Anomaly Detection has been enabled")  # asked for: the switch under test
 def test_run_switches_and_profiler_spans(data, tmp_path):
     from pimm_fn.callbacks import Checkpoint, Trace
 
