@@ -29,6 +29,7 @@ from pimm_fn.steps.common import eval_forward
 SETTINGS = {
     "epochs": 60,
     "batch_size": 4,
+    "eval_batch_size": 4,     # validation blocks per forward (inverse indexes the batch)
     "lr": 0.005,
     "weight_decay": 0.01,
     "head_lr": 0.01,          # a param_dicts group: parameters whose name contains "head"
@@ -44,7 +45,7 @@ SETTINGS = {
 }
 # --quick (a smoke test) changes these; an explicit --set wins over them.
 QUICK = {"epochs": 2}
-MINIMUM = {"epochs": 1, "batch_size": 1, "width": 1, "num_workers": 0}  # smallest valid values
+MINIMUM = {"epochs": 1, "batch_size": 1, "eval_batch_size": 1, "width": 1, "num_workers": 0}  # smallest valid values
 
 _INPUT_KEYS = ("coord", "grid_coord", "feat", "offset")
 
@@ -75,8 +76,9 @@ def render(state: TrainState, loader, png) -> None:
 
     batch = next(iter(loader.iter_epoch(0, 0)))
     out = eval_forward(state, {k: batch[k] for k in _INPUT_KEYS})
-    pred = out["seg_logits"].argmax(-1)
-    render_point_cloud(batch["coord"], pred, batch["segment"], png, LidarBlocks.class_names,
+    n = int(batch["offset"][0])  # the batch's first block
+    pred = out["seg_logits"].argmax(-1)[:n]
+    render_point_cloud(batch["coord"][:n], pred, batch["segment"][:n], png, LidarBlocks.class_names,
                        title=f"LiDAR validation block, step {int(state.step)}")
 
 
@@ -87,7 +89,8 @@ def build(settings: dict, ctx) -> Run:
         LidarBlocks("train"), batch_size=s["batch_size"], seed=s["seed"],
         transform=transform(s["grid_size"], "train"), num_workers=s["num_workers"],
         rank=ctx.rank, world_size=ctx.world_size, iters_per_epoch=2 if ctx.quick else None)
-    val_loader = build_eval_loader(LidarBlocks("val"), batch_size=1, transform=transform(s["grid_size"], "test"))
+    val_loader = build_eval_loader(LidarBlocks("val"), batch_size=s["eval_batch_size"],
+                                   transform=transform(s["grid_size"], "test"))
     model = PointSegNet(in_channels=4, num_classes=LidarBlocks.num_classes, width=s["width"],
                         deterministic=s["deterministic"])
     total = len(train_loader) * s["epochs"]

@@ -149,3 +149,22 @@ def test_image_collate_stacks_and_names_bad_shapes():
     imgs[2] = {"image": torch.rand(1, 9, 8), "label": torch.tensor(2)}
     with pytest.raises(ValueError, match=r"sample 2: image has shape \(1, 9, 8\)"):
         image_collate(imgs)
+
+
+def test_point_collate_makes_inverse_index_the_batch_and_adds_origin_offset():
+    from pimm_fn.data import transforms as T
+
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for n in (300, 500, 200):
+        raw = {"coord": torch.rand(n, 3, generator=g) * 2, "segment": torch.randint(0, 3, (n,), generator=g)}
+        samples.append(T.grid_sample(0.25, mode="test")(raw, g))
+    batch = point_collate(samples)
+    assert batch["origin_offset"].tolist() == [300, 800, 1000]
+    starts = [0] + batch["origin_offset"][:-1].tolist()
+    for i, s in enumerate(samples):  # each original point finds its own voxel in the batch
+        rows = batch["inverse"][starts[i]:batch["origin_offset"][i]]
+        assert torch.equal(batch["coord"][rows], s["coord"][s["inverse"]])
+        assert torch.equal(batch["origin_segment"][starts[i]:batch["origin_offset"][i]], s["origin_segment"])
+    merged = mix3d(batch)  # pairs of clouds become one: original points merge alike
+    assert merged["origin_offset"].tolist() == [800, 1000] and merged["offset"].tolist()[-1] == batch["offset"][-1]

@@ -202,3 +202,21 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
             assert torch.equal(va, vb), f"{path} differs after SIGKILL at step {killed_at} + resume"
         else:
             assert va == vb, path
+
+
+def test_lidar_full_resolution_eval_batches_blocks_with_the_same_miou(tmp_path):
+    # inverse indexes the batch (point_collate shifts it per cloud): 4 validation blocks in
+    # one forward score every original point as 4 forwards of one block do.
+    from pimm_fn.experiment import RunContext, load_experiment
+
+    mod = load_experiment("lidar_seg")
+    scores = {}
+    for n in (1, 4):
+        try:
+            run = mod.build({**mod.SETTINGS, "compile": False, "eval_batch_size": n}, RunContext(save_path=tmp_path))
+        except Exception as err:  # noqa: BLE001 - the data set is not fetched here
+            if "pimm_fn.data.fetch" in str(err):
+                pytest.skip(str(err))
+            raise
+        scores[n] = run.evaluate(run.state)
+    assert scores[4] == pytest.approx(scores[1], abs=1e-4), scores

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 # Keys that hold one row per point of the (possibly grid-sampled) cloud. Evaluation keys
-# (``origin_segment``, ``inverse``) have one row per *original* point and are excluded.
+# (``origin_segment``, ``inverse``) have one row per *original* point and are excluded;
+# point_collate shifts ``inverse`` to index the batch and adds ``origin_offset``.
 POINT_KEYS = (
     "coord", "grid_coord", "feat", "color", "normal", "strength", "intensity",
     "segment", "instance",
@@ -168,6 +169,25 @@ def validate_batch(batch) -> None:
             )
 
 
+# Keys whose values index a cloud's own points: shifted by the points before the cloud
+# when clouds are concatenated, so they index the batch.
+INDEX_KEYS = ("inverse",)
+
+
+def _shift_index_keys(samples: list) -> list:
+    start, out = 0, []
+    for s in samples:
+        n = int(s["offset"][0])
+        if start and any(k in s for k in INDEX_KEYS):
+            s = dict(s)
+            for k in INDEX_KEYS:
+                if k in s:
+                    s[k] = _as_tensor(s[k]) + start
+        out.append(s)
+        start += n
+    return out
+
+
 def _with_offsets(samples: Sequence[Mapping]) -> list:
     out = []
     for i, s in enumerate(samples):
@@ -208,6 +228,9 @@ def mix3d(batch: dict) -> dict:
         out["instance"] = instance
     # keep the ends of every second cloud (and the very last one when B is odd)
     out["offset"] = torch.cat([offset[1:-1:2], offset[-1:]])
+    if "origin_offset" in out:  # original points merge the same way
+        o = out["origin_offset"]
+        out["origin_offset"] = torch.cat([o[1:-1:2], o[-1:]])
     return out
 
 
@@ -229,7 +252,11 @@ def point_collate(
         raise ValueError("point_collate got an empty batch")
     if generator is None and seed is not None:
         generator = torch.Generator().manual_seed(int(seed))
-    out = collate(_with_offsets(batch))
+    samples = _with_offsets(batch)
+    out = collate(_shift_index_keys(samples))
+    if "inverse" in out:
+        # cumulative ends of each cloud's original points (rows of inverse / origin_*)
+        out["origin_offset"] = torch.tensor([len(s["inverse"]) for s in samples]).cumsum(0)
     validate_point_batch(out)
     if _draw(mix_prob, generator) and out["offset"].numel() > 1:
         out = mix3d(out)
