@@ -84,6 +84,10 @@ CASES = {
     "grpo_dr_constant": (lambda: grpo(**GRPO_KW, advantage="dr_grpo", reduction="constant", max_length=T),
                          _grpo_state, _policy_batch),
     "grpo_compiled": (lambda: grpo(**GRPO_KW).compile(), _grpo_state, _policy_batch),
+    "grpo_fp16_loss_scale": (
+        lambda: grpo(**GRPO_KW, autocast="float16"),
+        lambda: with_reference(TrainState.create(_Policy(), optim.adam(lr=1e-2), seed=0, loss_scale=True)),
+        _policy_batch),
 }
 
 

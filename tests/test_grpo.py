@@ -315,3 +315,86 @@ def test_kl_without_reference_and_bad_rollout():
 
     with pytest.raises(KeyError, match="logp_old"):
         grpo(sample=no_logp, reward=reward, group_size=G)(make_state(), make_batch())
+
+
+# --------------------------------------------------------------------------- loss scaling, BatchNorm
+
+def test_fp16_grpo_loss_scale_follows_grad_scaler_and_skips_inf_updates():
+    from pimm_fn.amp import LossScaleConfig
+    from pimm_fn.steps.grpo import grpo_objective
+
+    base = grpo_objective()
+
+    def poisoned_loss(out, chunk, p):
+        loss, metrics = base(out, chunk, p)
+        # traj["poison"] is 0 or inf per trajectory: inf makes every gradient non-finite
+        return loss + chunk["traj"]["poison"][0] * out["logp"].float().sum(), metrics
+
+    def poisoned_sample(policy, batch, group_size):
+        ro = sample(policy, batch, group_size)
+        n = ro.traj["obs"].shape[0]
+        return Rollout(traj={**ro.traj, "poison": batch["poison"].expand(n).clone()})
+
+    bad = {2, 3, 7}
+    batches = []
+    for t in range(10):
+        b = make_batch(seed=t)
+        b["poison"] = torch.tensor([float("inf") if t in bad else 0.0])
+        batches.append(b)
+    cfg = LossScaleConfig(growth_interval=2)
+    step = grpo(sample=poisoned_sample, reward=reward, group_size=G, loss=poisoned_loss,
+                autocast="float16", loss_scale=cfg)
+    state = TrainState.create(TinyPolicy(), optim.adam(lr=0.05), seed=0, loss_scale=True)
+    scales, skipped, params_before = [], [], []
+    for b in batches:
+        params_before.append({k: v.clone() for k, v in state.params.items()})
+        new, m = step(state, b)
+        scales.append(float(m["loss_scale"]))
+        skipped.append(bool(m["skipped"]))
+        if skipped[-1]:  # a skipped update leaves the params exactly as they were
+            assert all(torch.equal(new.params[k], state.params[k]) for k in state.params)
+        state = new
+    # torch's GradScaler on the same finite / non-finite sequence
+    w = torch.nn.Parameter(torch.ones(()))
+    opt = torch.optim.SGD([w], lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+    ref_scales = []
+    for t in range(10):
+        opt.zero_grad()
+        ref_scales.append(scaler.get_scale())
+        scaler.scale(w * (float("inf") if t in bad else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert scales == ref_scales and skipped == [t in bad for t in range(10)]
+    assert float(state.loss_scale.scale) == scaler.get_scale()
+
+
+class BNPolicy(torch.nn.Module):
+    """A softmax policy with BatchNorm over its logits (training mode moves its statistics)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(D, A)
+        self.bn = torch.nn.BatchNorm1d(A)
+
+    def log_probs(self, obs):
+        h = self.lin(obs)
+        return torch.log_softmax(self.bn(h.reshape(-1, A)).reshape(h.shape), -1)
+
+
+def test_a_training_mode_policys_batchnorm_statistics_come_back_in_the_new_state():
+    state = TrainState.create(BNPolicy(), optim.adam(lr=0.05), seed=0)
+    before = {k: v.clone() for k, v in state.buffers.items()}
+    b = make_batch(seed=1)
+    new, m = grpo(sample=sample, reward=reward, group_size=G)(state, b)
+    assert all(torch.equal(state.buffers[k], before[k]) for k in before)  # the input state is untouched
+    # one update forward over the rollout's observations, as the module would have made it
+    # (the sampling pass ran on copies and moved nothing)
+    ref = BNPolicy()
+    ref.load_state_dict({**{k: v for k, v in state.params.items()}, **before})
+    ref.train()
+    ref.log_probs(b["x"].repeat_interleave(G, 0))
+    for k in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        assert torch.allclose(new.buffers[k].float(), ref.state_dict()[k].float(), atol=1e-6), k
+    assert int(new.buffers["bn.num_batches_tracked"]) == 1

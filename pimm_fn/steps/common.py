@@ -6,7 +6,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch.func import functional_call
 
-from ..tree import tree_map
+from ..amp import LossScaleConfig, unscale_factor, update_loss_scale
+from ..optim.base import apply_updates
+from ..tree import all_finite, global_norm, tree_map, tree_where
 
 
 class MissingLossError(KeyError):
@@ -107,6 +109,39 @@ def applied_buffers(applied: torch.Tensor, new: dict, old: dict) -> dict:
     buffer that went non-finite (a NaN batch must not poison BN).
     """
     return {k: torch.where(applied & torch.isfinite(new[k]).all(), new[k], old[k]) for k in new}
+
+
+def guarded_update(tx, params: dict, opt_state, grads: dict, *, loss: Optional[torch.Tensor] = None,
+                   scaler=None, scaler_config: LossScaleConfig = LossScaleConfig(),
+                   clip_grad: Optional[float] = None, grad_transform: Optional[Callable] = None):
+    """One optimizer update behind the engine's guards; every ready-made step applies its
+    gradients through this.
+
+    In order: unscale by the loss scale (``scaler``: the state's LossScaleState, or None),
+    ``grad_transform`` (e.g. the data-parallel all-reduce), the finite check over the
+    gradients (and ``loss``), global-norm clipping to ``clip_grad``, the optimizer ``tx``;
+    where the check failed the old params and optimizer state are kept and the scale backs
+    off (``torch.amp.GradScaler``'s rule). Returns ``(params, opt_state, finite, grad_norm,
+    new_scaler)``; ``finite`` is the 0-dim bool a step also gates its buffers with.
+    """
+    if scaler is not None:
+        inv = unscale_factor(scaler)
+        grads = tree_map(lambda g: g * inv, grads)
+    if grad_transform is not None:
+        grads = grad_transform(grads)
+    finite = all_finite(grads)
+    if loss is not None:
+        finite = finite & torch.isfinite(loss)
+    grad_norm = global_norm(grads)
+    if clip_grad is not None:
+        coef = torch.clamp(clip_grad / (grad_norm + 1e-6), max=1.0)
+        grads = tree_map(lambda g: g * coef, grads)
+    updates, new_opt = tx.update(grads, opt_state, params)
+    new_params = apply_updates(params, updates)
+    params = tree_where(finite, new_params, params)
+    opt_state = tree_where(finite, new_opt, opt_state)
+    new_scaler = update_loss_scale(scaler, finite, scaler_config) if scaler is not None else None
+    return params, opt_state, finite, grad_norm, new_scaler
 
 
 def weighted_sum(trees: Sequence[Any], weights: Sequence[torch.Tensor]):

@@ -38,9 +38,10 @@ from torch.func import functional_call
 
 from .. import rl
 from ..compile import Step, _rank_seed, compile_step, seeded_rng
-from ..optim.base import apply_updates
+from ..amp import LossScaleConfig, as_autocast
 from ..state import RngKey, TrainState
-from ..tree import all_finite, global_norm, tree_map, tree_where
+from ..tree import tree_map
+from .common import applied_buffers, guarded_update
 
 __all__ = [
     "Rollout",
@@ -221,7 +222,9 @@ class GRPOStep:
     """
 
     def __init__(self, *, sample, reward, group_size, log_prob, loss, policy_updates, microbatch_size,
-                 weight_by, advantage, gamma, eps, kl, clip_grad, method, update=None, name="grpo"):
+                 weight_by, advantage, gamma, eps, kl, clip_grad, method, autocast=None,
+                 loss_scale: LossScaleConfig = LossScaleConfig(), update=None, name="grpo"):
+        self.autocast, self.loss_scale = as_autocast(autocast), loss_scale
         self.sample, self.reward, self.group_size = sample, reward, group_size
         self.log_prob, self.loss = log_prob, loss
         self.policy_updates, self.microbatch_size, self.weight_by = policy_updates, microbatch_size, weight_by
@@ -255,7 +258,8 @@ class GRPOStep:
                 f"kl_coef != 0 needs the frozen reference policy in state.extra[{REF_KEY!r}]; "
                 "build the state with pimm_fn.steps.grpo.with_reference(state)"
             )
-        policy = self._policy(model, state.params, state.buffers, check=True)
+        # On copies of the buffers: sampling must not move the state's BatchNorm statistics.
+        policy = self._policy(model, state.params, _copies(state.buffers), check=True)
         with torch.no_grad():
             ro = self.sample(policy, batch, self.group_size)
         if not isinstance(ro, Rollout):
@@ -302,24 +306,34 @@ class GRPOStep:
             adv = _advantages(self.advantage, rewards, mask, self.gamma, self.eps)
             logp_ref = None
             if self.kl:
-                ref = self._policy(state.model, state.extra[REF_KEY], state.buffers)
+                ref = self._policy(state.model, state.extra[REF_KEY], _copies(state.buffers))
                 logp_ref = self.log_prob(ref, shared, traj)["logp"].detach()
         counts = None
         if self.weight_by == "tokens" and mask is not None:
             counts = mask.to(torch.float32).sum(-1) if mask.dim() == 2 else mask.to(torch.float32)
         slices = rl.microbatch_slices(n, self.microbatch_size, group_size=g, counts=counts)
 
-        params, opt_state = state.params, state.opt_state
+        params, opt_state, scaler, buffers = state.params, state.opt_state, state.loss_scale, state.buffers
         hyper = state.tx.hyperparams(state.opt_state) if state.tx.hyperparams is not None else {}
-        update_metrics, skipped = [], []
+        ctx_device = next(iter(params.values())).device
+        update_metrics, skipped, scales = [], [], []
         for p in range(p_updates):
             grads, outs = None, []
+            scale = scaler.scale if scaler is not None else None
+            before = buffers  # BatchNorm statistics before this update's forwards
             for mb in slices:
                 s, e = mb.start, mb.end
                 chunk_traj = {k: (v[s:e] if v is not None else None) for k, v in traj.items()}
                 leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-                buffers = {k: v.clone() for k, v in state.buffers.items()}
-                out = self.log_prob(self._policy(state.model, leaves, buffers), shared, chunk_traj)
+                # Each forward of a policy in training mode moves its statistics on, as a
+                # module's forwards would, on copies (the input state is never mutated).
+                buffers = _copies(buffers)
+                ctx = self.autocast.context(ctx_device) if self.autocast is not None else None
+                if ctx is None:
+                    out = self.log_prob(self._policy(state.model, leaves, buffers), shared, chunk_traj)
+                else:
+                    with ctx:
+                        out = self.log_prob(self._policy(state.model, leaves, buffers), shared, chunk_traj)
                 chunk = {
                     "logp_old": chunk_traj["logp_old"],
                     "advantages": adv[s:e],
@@ -329,7 +343,8 @@ class GRPOStep:
                 }
                 loss, metrics = self.loss(out, chunk, p)
                 weight = mb.weight
-                g_chunk = torch.autograd.grad(loss * weight, list(leaves.values()), allow_unused=True)
+                objective = loss.float() * weight if scale is None else loss.float() * weight * scale
+                g_chunk = torch.autograd.grad(objective, list(leaves.values()), allow_unused=True)
                 g_chunk = {k: (gr if gr is not None else torch.zeros_like(params[k])).detach()
                            for k, gr in zip(leaves, g_chunk)}
                 grads = g_chunk if grads is None else tree_map(torch.add, grads, g_chunk)
@@ -337,15 +352,13 @@ class GRPOStep:
                 metrics.setdefault("loss", loss.detach())
                 count = metrics.get(rl.COUNT_KEY, mb.count)
                 outs.append((metrics, count))
-            finite = all_finite(grads)
-            grad_norm = global_norm(grads)
-            if self.clip_grad is not None:
-                coef = torch.clamp(self.clip_grad / (grad_norm + 1e-6), max=1.0)
-                grads = tree_map(lambda x: x * coef, grads)
-            updates, new_opt = state.tx.update(grads, opt_state, params)
-            new_params = apply_updates(params, updates)
-            params = tree_where(finite, new_params, params)
-            opt_state = tree_where(finite, new_opt, opt_state)
+            if scaler is not None:
+                scales.append(scaler.scale)
+            params, opt_state, finite, grad_norm, scaler = guarded_update(
+                state.tx, params, opt_state, grads, scaler=scaler, scaler_config=self.loss_scale,
+                clip_grad=self.clip_grad,
+            )
+            buffers = applied_buffers(finite, buffers, before)
             m = rl.combine_microbatches(outs)
             m["grad_norm"] = grad_norm
             update_metrics.append(m)
@@ -359,7 +372,10 @@ class GRPOStep:
         metrics["skipped"] = torch.stack(skipped).sum()
         for k, v in hyper.items():
             metrics[k] = v.detach().float().reshape(())
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        if scales:
+            metrics["loss_scale"] = scales[0]  # the scale the rollout's first update used
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, buffers=buffers,
+                                  loss_scale=scaler)
         return new_state, metrics
 
     # ------------------------------------------------------------------ the step
@@ -379,8 +395,6 @@ class GRPOStep:
         """The rollout a call makes for ``(state, batch)`` and the state its update core gets."""
         if not isinstance(state, TrainState):
             raise TypeError(f"a step takes a TrainState as its first argument, got {type(state).__name__}")
-        if state.loss_scale is not None:
-            raise NotImplementedError("the GRPO step does not support loss scaling; build the state with loss_scale=None")
         with seeded_rng(_rank_seed(state.rng.step_seed())):
             ro = self.rollout(state, batch)
         # The update core gets its own key, split off this step's key, so randomness inside
@@ -413,11 +427,16 @@ class GRPOStep:
                     log_prob=self.log_prob, loss=self.loss, policy_updates=self.policy_updates,
                     microbatch_size=self.microbatch_size, weight_by=self.weight_by,
                     advantage=self.advantage, gamma=self.gamma, eps=self.eps, kl=self.kl,
-                    clip_grad=self.clip_grad, method=self.method)
+                    clip_grad=self.clip_grad, method=self.method, autocast=self.autocast,
+                    loss_scale=self.loss_scale)
 
     def __repr__(self):
         return (f"GRPOStep(G={self.group_size}, P={self.policy_updates}, M={self.microbatch_size}, "
                 f"compiled={self._update_fn is not self.update})")
+
+
+def _copies(buffers: dict) -> dict:
+    return {k: v.clone() for k, v in buffers.items()}
 
 
 def _validate_step_rewards(rewards: torch.Tensor) -> None:
@@ -455,6 +474,8 @@ def grpo(
     eps: float = 1e-6,
     clip_grad: Optional[float] = None,
     method: str = "log_probs",
+    autocast=None,
+    loss_scale: LossScaleConfig = LossScaleConfig(),
 ) -> GRPOStep:
     """Build a GRPO step (see the module docstring).
 
@@ -484,6 +505,17 @@ def grpo(
         :func:`pimm_fn.rl.step_advantages` with ``gamma``) or ``fn(rewards, mask) -> [N]/[N, T]``.
     clip_grad: max global gradient norm per update, or None.
     method: the policy module's log-probability method.
+    autocast: as for :func:`pimm_fn.steps.supervised` ("bfloat16", "float16" or an
+        :class:`pimm_fn.amp.Autocast`): the policy's update forwards run under it.
+    loss_scale: the dynamic loss scale's settings, used when the state has one
+        (``TrainState.create(..., loss_scale=True)``; needed with float16): each policy
+        update is one scaler step, as ``torch.amp.GradScaler`` counts them; an update with
+        inf/NaN gradients is skipped and the scale backs off.
+
+    The update passes run the policy in the module's own mode: in training mode its
+    BatchNorm statistics move on with each forward and come back in the new state (kept
+    as they were for an update that was skipped); sampling and the reference pass use
+    copies and move nothing.
     """
     if int(group_size) < 2:
         raise ValueError(
@@ -506,5 +538,5 @@ def grpo(
         policy_updates=int(policy_updates), microbatch_size=int(microbatch_size),
         weight_by="tokens" if reduction == "token" else "trajectories", advantage=advantage,
         gamma=float(gamma), eps=float(eps), kl=not (isinstance(kl_coef, (int, float)) and kl_coef == 0),
-        clip_grad=clip_grad, method=method,
+        clip_grad=clip_grad, method=method, autocast=autocast, loss_scale=loss_scale,
     )

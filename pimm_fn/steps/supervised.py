@@ -9,11 +9,11 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..amp import LossScaleConfig, as_autocast, unscale_factor, update_loss_scale
+from ..amp import LossScaleConfig, as_autocast
 from ..compile import Step
-from ..optim.base import apply_updates
-from ..tree import all_finite, global_norm, tree_map, tree_where
-from .common import applied_buffers, check_labels, forward_backward, point_batch_stats, scalar_metrics, weighted_sum
+from .common import (
+    applied_buffers, check_labels, forward_backward, guarded_update, point_batch_stats, scalar_metrics, weighted_sum,
+)
 
 GradTransform = Callable[[dict], dict]
 
@@ -68,21 +68,10 @@ def supervised(
         weights = _weights(micro, microbatch_weight)
         grads = grad_list[0] if accumulate == 1 else weighted_sum(grad_list, weights)
         loss = losses[0] if accumulate == 1 else sum(w * l for w, l in zip(weights, losses))
-        if scale is not None:
-            inv = unscale_factor(scaler)
-            grads = tree_map(lambda g: g * inv, grads)
-        if grad_transform is not None:
-            grads = grad_transform(grads)
-        finite = all_finite(grads) & torch.isfinite(loss)
-        grad_norm = global_norm(grads)
-        if clip_grad is not None:
-            coef = torch.clamp(clip_grad / (grad_norm + 1e-6), max=1.0)
-            grads = tree_map(lambda g: g * coef, grads)
-        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-        params = apply_updates(state.params, updates)
-        params = tree_where(finite, params, state.params)
-        opt_state = tree_where(finite, opt_state, state.opt_state)
-        new_scaler = update_loss_scale(scaler, finite, loss_scale) if scaler is not None else None
+        params, opt_state, finite, grad_norm, new_scaler = guarded_update(
+            state.tx, state.params, state.opt_state, grads, loss=loss, scaler=scaler, scaler_config=loss_scale,
+            clip_grad=clip_grad, grad_transform=grad_transform,
+        )
 
         metrics = scalar_metrics(outs[-1], skip=(loss_key,))
         metrics["loss"] = loss
