@@ -40,7 +40,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import attrs
 import torch
 
-from .compile import CompiledStep, Step, _explain_target, as_step, compile_step
+from .compile import CompiledStep, Step, _explain_target, _rank_seed, as_step, compile_step, seeded_rng
 
 __all__ = ["BenchResult", "Workload", "benchmark_step", "bench_main", "explain_step", "machine_info",
            "measure_compile_cache", "batch_size"]
@@ -300,10 +300,11 @@ def explain_step(step_fn, state, batch) -> tuple[int, list[str]]:
     step, state, batch = _explain_target(step_fn, state, batch)
     core = step.core
     stripped = state.replace(rng=None, cursor=None) if hasattr(state, "replace") and hasattr(state, "rng") else state
-    if hasattr(state, "rng") and state.rng is not None:
-        torch.manual_seed(state.rng.step_seed())
+    # Seeded from the key as a call is, and the caller's generator put back afterwards.
+    rng = getattr(state, "rng", None)
+    seeding = seeded_rng(_rank_seed(rng.step_seed())) if rng is not None else contextlib.nullcontext()
     try:
-        with torch._dynamo.config.patch(trace_autograd_ops=True):
+        with seeding, torch._dynamo.config.patch(trace_autograd_ops=True):
             out = torch._dynamo.explain(core)(stripped, batch)
     except Exception as e:  # a step that cannot even be traced is reported, not raised
         return 1, [f"explain failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]

@@ -157,3 +157,18 @@ def test_peak_memory_of_a_step_in_a_warm_process():
     # at least the logits' and softmax's [4096, 3] float32 buffers (48 KiB each)
     assert mem.peak_bytes is not None and mem.peak_bytes >= 4096 * 3 * 4, (mem.peak_bytes, mem.method)
     assert "allocator" in mem.method
+
+
+def test_bench_explain_step_leaves_the_callers_generator_alone():
+    import torch
+
+    from pimm_fn import TrainState, bench, optim, steps
+    from pimm_fn.models import MLPClassifier
+
+    state = TrainState.create(MLPClassifier(4, 3, hidden=(8,)), optim.sgd(0.1), seed=5)
+    batch = {"x": torch.randn(6, 4), "y": torch.randint(0, 3, (6,))}
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    assert bench.explain_step(steps.supervised(), state, batch)[0] == 0
+    assert torch.equal(torch.rand(3), expected)
