@@ -2,6 +2,7 @@
 
     python benchmarks/run_steps.py --threads 1            # full
     python benchmarks/run_steps.py --threads 1 --quick    # fewer rounds / steps, mlp cache probe only
+    python benchmarks/run_steps.py --threads 1 --quick --ways seed_eager,pimm_compiled,jax --fit-rounds 0 --cache-probe none
 
 For each model (mlp, pointseg on variable-size batches, cnn) every "way" trains from the
 same initial weights on the same batches. Ways run round-robin: each round runs every way
@@ -9,6 +10,12 @@ for ``--steps`` steps (the order rotates per round), so load on a shared machine
 all ways alike; each way's figure is the median (and min) step time over all rounds,
 quoted as a ratio to the seed-style eager trainer (``seed_eager``: nn.Module +
 AdamW(foreach=True) + clip_grad_norm_ + OneCycleLR, the seed's run_step).
+
+The ``jax`` way (benchmarks/jax_ways.py) runs the same models reimplemented in JAX
+(jit + optax: clip_by_global_norm + adamw over the same one-cycle lr) from the same
+initial weights, when the ``bench`` extra (jax, optax) is installed; otherwise it is
+skipped with the reason printed. Its first loss is checked against the torch step's
+(|diff| <= 1e-4). ``--threads 1`` also runs XLA's CPU client on one thread.
 
 Models: pimm_fn.models' MLPClassifier, PointSegNet (variable-size point batches, every
 total above 4096) and ImageClassifier (see benchmarks/workloads.py).
@@ -37,7 +44,9 @@ from benchmarks import workloads as W  # noqa: E402
 from pimm_fn.bench import PeakMemory, batch_size, explain_step, machine_info, measure_compile_cache  # noqa: E402
 from pimm_fn.compile import compile_step  # noqa: E402
 
-WAYS = ("seed_eager", "seed_fused", "pimm_eager", "pimm_compiled", "compile_model", "compile_model_opt")
+from benchmarks import jax_ways as J  # noqa: E402  (imports jax only when the way runs)
+
+WAYS = ("seed_eager", "seed_fused", "pimm_eager", "pimm_compiled", "compile_model", "compile_model_opt", "jax")
 LABELS = {
     "seed_eager": "seed-style eager (AdamW foreach)",
     "seed_fused": "eager, AdamW(fused=True)",
@@ -46,7 +55,9 @@ LABELS = {
     "compile_model": "torch.compile(model) + eager AdamW",
     "compile_model_opt": "torch.compile(model) + compiled optimizer",
     "pimm_compiled_fixed": "pimm_fn compiled, fixed-size batches",
+    "jax": "JAX jit + optax",
 }
+JAX_CHECK_STEPS = 3  # steps whose losses are compared, torch (pimm_fn eager step) vs JAX
 
 
 def peak_gemm_gflops(n=2048, reps=6) -> dict:
@@ -85,7 +96,15 @@ def build_ways(wl, only=WAYS):
     model0 = wl.model
     ways = {}
     for name in only:
-        if name.startswith("pimm"):
+        if name == "jax":
+            ok, why = J.available()
+            if not ok:
+                print(f"  skip jax: {why}", flush=True)
+                continue
+            trainer = J.trainer_for(model0, total_steps=W.TOTAL_STEPS, max_lr=W.MAX_LR,
+                                    weight_decay=W.WEIGHT_DECAY, clip=W.CLIP)
+            ways[name] = Way(name, trainer.run, counter=trainer)
+        elif name.startswith("pimm"):
             step = compile_step(wl.step) if name == "pimm_compiled" else compile_step(wl.step, eager=True)
             holder = {"state": wl.state}
 
@@ -108,6 +127,8 @@ def warm(ways, batches, n_warm):
         w.first_call_s = time.perf_counter() - t0
         for i in range(1, n_warm):
             w.run(batches[i % len(batches)])
+        if hasattr(w.counter, "precompile"):  # jax: one compile per padded point bucket, all before timing
+            w.counter.precompile(batches)
         if w.counter is not None:
             w.compiles_after_warmup = w.counter.compile_count
         print(f"  warm {w.name}: first call {w.first_call_s:.1f} s", flush=True)
@@ -138,6 +159,8 @@ def memory_pass(ways, batches, start):
     accounting (profiler memory events) on CPU; see pimm_fn.bench.PeakMemory."""
     out, method = {}, None
     for i, (name, w) in enumerate(ways.items()):
+        if name == "jax":  # XLA's buffers are not torch's allocator: not measured
+            continue
         mem = PeakMemory(torch.device("cpu"))
         with mem:
             w.run(batches[(start + i) % len(batches)])
@@ -215,9 +238,9 @@ def bench_model(name, args, gemm):
     batches = list(wl.batches)
     print(f"[{name}] {wl.notes}", flush=True)
     gb_count, gb_reasons = explain_step(wl.step, wl.state, batches[0])  # resets dynamo: before compiling
-    ways = build_ways(wl)
+    ways = build_ways(wl, only=args.ways)
     extra = {}
-    if name == "pointseg":
+    if name == "pointseg" and "pimm_compiled" in args.ways:
         fixed = W.pointseg_fixed()
         extra = build_ways(fixed, only=("pimm_compiled",))
         extra["pimm_compiled_fixed"] = extra.pop("pimm_compiled")
@@ -240,6 +263,7 @@ def bench_model(name, args, gemm):
         mem.update(m2)
     flops = statistics.fmean(step_flops(wl.model, b) for b in batches[:4])
     bound_ms = flops / (gemm["best_gflops"] * 1e9) * 1e3
+    jax_check = jax_loss_check(wl, ways["jax"].counter, batches) if "jax" in ways else None
     summary = summarize(all_ways)
     base = summary["seed_eager"]
     for n, s in summary.items():
@@ -251,11 +275,38 @@ def bench_model(name, args, gemm):
     res = {"model": name, "notes": wl.notes, "load_avg_after": os.getloadavg(), "samples_per_step": batch_size(batches[0])[0],
            "graph_break_count": gb_count, "break_reasons": gb_reasons,
            "flops_per_step": flops, "bound_ms": bound_ms, "ways": summary, "timed_seconds": timed_s,
-           "memory_method": mem_method}
-    if name == "pointseg":
+           "memory_method": mem_method, "jax_loss_check": jax_check}
+    if "jax" in summary:
+        if "pimm_compiled" in summary:
+            res["pimm_compiled_over_jax_time"] = summary["pimm_compiled"]["median_ms"] / summary["jax"]["median_ms"]
+        if args.gemm_jax:
+            res["bound_ms_xla_gemm"] = flops / (args.gemm_jax["best_gflops"] * 1e9) * 1e3
+    if "pimm_compiled_fixed" in summary:
         v = summary["pimm_compiled"]["median_us_per_point"]
         f = summary["pimm_compiled_fixed"]["median_us_per_point"]
         res["variable_vs_fixed_per_point"] = v / f
+    return res
+
+
+def jax_loss_check(wl, trainer, batches, steps=JAX_CHECK_STEPS) -> dict:
+    """Losses of the first ``steps`` steps from the initial weights: pimm_fn's eager step vs JAX.
+
+    The first loss is the forward at the shared initial weights (must agree within 1e-4);
+    the later ones also go through gradients, clip, AdamW and the schedule.
+    """
+    step = compile_step(wl.step, eager=True)
+    state, torch_losses = wl.state, []
+    for b in batches[:steps]:
+        state, m = step(state, b)
+        torch_losses.append(float(m["loss"]))
+    trainer.reset()
+    for b in batches[:steps]:
+        trainer.run(b, record=True)
+    res = J.compare_losses(torch_losses, trainer.losses)
+    verdict = "OK" if res["first_ok"] else "MISMATCH"
+    print(f"  jax loss check: first loss torch {torch_losses[0]:.6f} vs jax {trainer.losses[0]:.6f} "
+          f"(|diff| {res['abs_diff'][0]:.1e}, tol {res['tol']:.0e}: {verdict}); steps 1-{steps} max |diff| "
+          f"{max(res['abs_diff']):.1e}", flush=True)
     return res
 
 
@@ -270,6 +321,15 @@ def table(results):
             cc = "-" if s["compile_count"] is None else f"{s['compile_count']}(+{s['recompiles_after_warmup']})"
             lines.append(f"  {LABELS[n]:<44}{s['median_ms']:>10.2f}{s['min_ms']:>9.2f}{s['time_ratio_to_seed']:>8.2f}"
                          f"{s['speedup_vs_seed']:>8.2f}x{s['x_of_bound']:>9.1f}{mem:>10}{cc:>9}")
+        if r.get("jax_loss_check"):
+            c = r["jax_loss_check"]
+            lines.append(f"  jax vs torch first loss: |diff| {c['abs_diff'][0]:.1e} ({'OK' if c['first_ok'] else 'MISMATCH'}, "
+                         f"tol {c['tol']:.0e}); first {len(c['abs_diff'])} steps max |diff| {max(c['abs_diff']):.1e}")
+        if "pimm_compiled_over_jax_time" in r:
+            q = r["pimm_compiled_over_jax_time"]
+            lines.append(f"  pimm_fn compiled time / JAX time: {q:.2f} ({'pimm_fn faster' if q < 1 else 'JAX faster'})")
+        if "bound_ms_xla_gemm" in r:
+            lines.append(f"  bound at XLA's GEMM rate: {r['bound_ms_xla_gemm']:.2f} ms")
         if "variable_vs_fixed_per_point" in r:
             lines.append(f"  time/point, variable vs fixed-size batches: {r['variable_vs_fixed_per_point']:.2f}")
         if r.get("compile_cache"):
@@ -323,14 +383,21 @@ def main(argv=None):
                     help="torch threads; 1 on a shared box (2 OpenMP threads on 2 busy cores wait at every barrier)")
     ap.add_argument("--fit-rounds", type=int, default=None, help="rounds of the fit-overhead comparison "
                                                                   "(50-step epochs; default 6, quick 4; 0 skips)")
+    ap.add_argument("--ways", default=",".join(WAYS),
+                    help=f"comma list of ways (seed_eager, the baseline, is always run); default all: {','.join(WAYS)}")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "run_steps"))
     args = ap.parse_args(argv)
+    unknown = [w for w in args.ways.split(",") if w and w not in WAYS]
+    if unknown:
+        ap.error(f"unknown ways {unknown}; choose from {', '.join(WAYS)}")
+    args.ways = tuple(w for w in WAYS if w == "seed_eager" or w in args.ways.split(","))
     os.chdir(os.path.dirname(HERE))  # the cache probe imports benchmarks.workloads from the repo root
     args.rounds = args.rounds or (3 if args.quick else 5)
     args.steps = args.steps or (3 if args.quick else 5)
     args.fit_rounds = (4 if args.quick else 6) if args.fit_rounds is None else args.fit_rounds
     if args.threads:
         torch.set_num_threads(args.threads)
+    J.configure_threads(args.threads)  # before JAX's backend starts
     models = [m for m in args.models.split(",") if m]
     probe = args.cache_probe or ("mlp" if args.quick else ",".join(models))
     probe = [] if probe == "none" else probe.split(",")
@@ -339,6 +406,16 @@ def main(argv=None):
     gemm = peak_gemm_gflops()
     print(f"machine: {machine}\npeak fp32 GEMM (2048^2): {gemm['best_gflops']:.0f} GFLOP/s best, "
           f"{gemm['median_gflops']:.0f} median; load avg {load_before}", flush=True)
+    args.gemm_jax = None
+    if "jax" in args.ways:
+        ok, why = J.available()
+        if ok:
+            args.gemm_jax = J.peak_gemm_gflops()
+            machine["jax"] = why
+            print(f"XLA (jax jit) fp32 GEMM (2048^2): {args.gemm_jax['best_gflops']:.0f} GFLOP/s best, "
+                  f"{args.gemm_jax['median_gflops']:.0f} median; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+        else:
+            print(f"jax way skipped: {why}", flush=True)
     t_start = time.perf_counter()
     results = []
     for m in models:
@@ -367,7 +444,7 @@ def main(argv=None):
             r["compile_cache"] = measure_compile_cache(f"benchmarks.workloads:{r['model']}")
     out = {"command": "python benchmarks/run_steps.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": machine, "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-           "gemm": gemm, "rounds": args.rounds, "steps_per_round": args.steps, "threads": torch.get_num_threads(),
+           "gemm": gemm, "gemm_jax": args.gemm_jax, "rounds": args.rounds, "steps_per_round": args.steps, "threads": torch.get_num_threads(),
            "results": results, "fit_overhead": fit_res,
            "wall_seconds": time.perf_counter() - t_start}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -377,7 +454,9 @@ def main(argv=None):
     print(text)
     with open(args.out + ".txt", "w") as f:
         f.write(f"{out['command']}\n{machine['cpu']}, {machine['cpu_count']} cores, torch {machine['torch']}, "
-                f"{torch.get_num_threads()} torch thread(s), load avg before {load_before}, after {out['load_avg_after']}\npeak fp32 GEMM {gemm['best_gflops']:.0f} GFLOP/s\n{text}\n")
+                f"{torch.get_num_threads()} torch thread(s), load avg before {load_before}, after {out['load_avg_after']}\npeak fp32 GEMM {gemm['best_gflops']:.0f} GFLOP/s"
+                + (f" (torch), {args.gemm_jax['best_gflops']:.0f} GFLOP/s (XLA, {machine['jax']})" if args.gemm_jax else "")
+                + f"\n{text}\n")
     chart(results, args.out + ".png")
     print(f"wrote {args.out}.json/.txt/.png in {out['wall_seconds']:.0f} s")
 
