@@ -387,6 +387,7 @@ class JaxTrainer:
             return optax.apply_updates(params, updates), new_stats, opt_state, loss
 
         self._step = jax.jit(step, donate_argnums=(0, 1, 2))
+        self._block = jax.block_until_ready
         self.reset()
 
     def reset(self):
@@ -399,23 +400,28 @@ class JaxTrainer:
         self.state = (params, stats, self.tx.init(params))
         self.losses = []
 
-    def batch(self, torch_batch) -> dict:
+    def batch(self, torch_batch) -> tuple:
+        """(device arrays, their shapes) of a torch batch; converted once, then cached by identity
+        (the torch batch is kept alive with them, so its id cannot be reused)."""
         key = id(torch_batch)
         if key not in self._converted:
             import jax
 
-            self._converted[key] = (torch_batch, jax.device_put(self.model.convert(torch_batch)))
-        return self._converted[key][1]
+            jb = jax.device_put(self.model.convert(torch_batch))
+            shape = tuple(sorted((k, v.shape) for k, v in jb.items()))
+            self._converted[key] = (torch_batch, jb, shape)
+        return self._converted[key][1:]
 
     def run(self, torch_batch, record=False):
-        jb = self.batch(torch_batch)
-        shape = tuple(sorted((k, v.shape) for k, v in jb.items()))
-        if self._shapes and shape not in self._shapes:
-            self.recompile_reasons.append(f"new input shape {dict(shape)}")
-        self._shapes.add(shape)
+        jb, shape = self.batch(torch_batch)
+        if shape not in self._shapes:
+            if self._shapes:
+                self.recompile_reasons.append(f"new input shape {dict(shape)}")
+            self._shapes.add(shape)
         params, stats, opt_state, loss = self._step(*self.state, jb)
+        # dispatch is asynchronous: wait for every output, so a timed call is the whole step
+        self.state = self._block((params, stats, opt_state))
         loss.block_until_ready()
-        self.state = (params, stats, opt_state)
         if record:
             self.losses.append(float(loss))
         return loss
@@ -424,9 +430,7 @@ class JaxTrainer:
         """Step once on the first batch of every input shape not seen yet (one compile each),
         so no compile lands in a timed step."""
         for b in torch_batches:
-            jb = self.batch(b)
-            shape = tuple(sorted((k, v.shape) for k, v in jb.items()))
-            if shape not in self._shapes:
+            if self.batch(b)[1] not in self._shapes:
                 self.run(b)
 
 
