@@ -2,7 +2,7 @@
 
     python benchmarks/run_steps.py --threads 1            # full
     python benchmarks/run_steps.py --threads 1 --quick    # fewer rounds / steps, mlp cache probe only
-    python benchmarks/run_steps.py --threads 1 --quick --ways seed_eager,pimm_compiled,jax --fit-rounds 0 --cache-probe none
+    python benchmarks/run_steps.py --threads 1 --quick --ways seed_eager,pimm_compiled,jax --fit-rounds 0 --cache-probe none  # pimm_fn vs JAX
 
 For each model (mlp, pointseg on variable-size batches, cnn) every "way" trains from the
 same initial weights on the same batches. Ways run round-robin: each round runs every way
@@ -15,7 +15,8 @@ The ``jax`` way (benchmarks/jax_ways.py) runs the same models reimplemented in J
 (jit + optax: clip_by_global_norm + adamw over the same one-cycle lr) from the same
 initial weights, when the ``bench`` extra (jax, optax) is installed; otherwise it is
 skipped with the reason printed. Its first loss is checked against the torch step's
-(|diff| <= 1e-4). ``--threads 1`` also runs XLA's CPU client on one thread.
+(|diff| <= 1e-4). ``--threads N`` also starts XLA's CPU client with N threads (see
+jax_ways.configure_threads: XLA_FLAGS alone do not limit it).
 
 Models: pimm_fn.models' MLPClassifier, PointSegNet (variable-size point batches, every
 total above 4096) and ImageClassifier (see benchmarks/workloads.py).
@@ -397,7 +398,6 @@ def main(argv=None):
     args.fit_rounds = (4 if args.quick else 6) if args.fit_rounds is None else args.fit_rounds
     if args.threads:
         torch.set_num_threads(args.threads)
-    J.configure_threads(args.threads)  # before JAX's backend starts
     models = [m for m in args.models.split(",") if m]
     probe = args.cache_probe or ("mlp" if args.quick else ",".join(models))
     probe = [] if probe == "none" else probe.split(",")
@@ -410,10 +410,11 @@ def main(argv=None):
     if "jax" in args.ways:
         ok, why = J.available()
         if ok:
-            args.gemm_jax = J.peak_gemm_gflops()
             machine["jax"] = why
+            machine["jax_threads"] = J.configure_threads(args.threads)  # before anything else starts JAX's backend
+            args.gemm_jax = J.peak_gemm_gflops()
             print(f"XLA (jax jit) fp32 GEMM (2048^2): {args.gemm_jax['best_gflops']:.0f} GFLOP/s best, "
-                  f"{args.gemm_jax['median_gflops']:.0f} median; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+                  f"{args.gemm_jax['median_gflops']:.0f} median; threads: {machine['jax_threads']}", flush=True)
         else:
             print(f"jax way skipped: {why}", flush=True)
     t_start = time.perf_counter()
