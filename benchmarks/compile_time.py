@@ -109,17 +109,14 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="mlp,pointseg")
     p.add_argument("--json", default=os.path.join(RESULTS, "compile_time.json"))
     args = p.parse_args(argv)
-    res = {"load_before": [round(x, 2) for x in os.getloadavg()], "models": {}}
+    sys.path.insert(0, HERE)
+    from overhead import load, write_results
+
+    res = {"load_before": load(), "models": {}}
     for model in args.models.split(","):
         res["models"][model] = measure(model)
-    res["load_after"] = [round(x, 2) for x in os.getloadavg()]
-    text = table(res)
-    print(text)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as fh:
-        json.dump(res, fh, indent=1)
-    with open(os.path.splitext(args.json)[0] + ".txt", "w") as fh:
-        fh.write(text + "\n")
+    res["load_after"] = load()
+    write_results(res, table(res), args.json)
     return 0
 
 

@@ -246,14 +246,18 @@ def main(argv=None) -> int:
     res["boundary"] = boundary(args.rounds, args.calls)
     res["fit"] = fit_overhead(args.rounds, args.steps_per_epoch, args.epochs)
     res["load_after"] = load()
-    text = table(res)
-    print(text)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as fh:
-        json.dump(res, fh, indent=1)
-    with open(os.path.splitext(args.json)[0] + ".txt", "w") as fh:
-        fh.write(text + "\n")
+    write_results(res, table(res), args.json)
     return 0
+
+
+def write_results(res: dict, text: str, json_path: str) -> None:
+    """Print the table; write it beside the JSON (``name.txt`` next to ``name.json``)."""
+    print(text)
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(json_path, "w") as fh:
+        json.dump(res, fh, indent=1)
+    with open(os.path.splitext(json_path)[0] + ".txt", "w") as fh:
+        fh.write(text + "\n")
 
 
 if __name__ == "__main__":
