@@ -249,16 +249,11 @@ class CompiledStep:
             self._seed_mid_call()
 
         self._dynamic = dynamic
-
-        def optimized(dynamic_shapes):
-            return torch._dynamo.optimize(
-                backend, nopython=True, dynamic=dynamic_shapes, guard_fail_fn=on_guard_fail,
-                recompile_limit=recompile_limit, isolate_recompiles=True,
-            )(step.core)
-
         self._first_batch = None  # the cached step's example batch (shapes only are read)
-
-        self._core = optimized(dynamic)
+        self._core = torch._dynamo.optimize(
+            backend, nopython=True, dynamic=dynamic, guard_fail_fn=on_guard_fail,
+            recompile_limit=recompile_limit, isolate_recompiles=True,
+        )(step.core)
 
     def _allow_autograd_tracing(self):
         # trace_autograd_ops lets dynamo trace torch.autograd.grad, which (unlike torch.func
@@ -392,7 +387,7 @@ class CompiledStep:
         self.cache_path = str(path)
         if path.exists():
             try:
-                fn = step_cache.load(path)
+                fn = step_cache.load(path, self.step.core)
                 self.loaded_from_cache = True
                 self.compile_seconds.append(time.perf_counter() - start)
                 return fn
@@ -400,7 +395,23 @@ class CompiledStep:
                 warnings.warn(f"the cached step {path} could not be loaded ({type(err).__name__}: {err}); "
                               "compiling it again and replacing the file", RuntimeWarning, stacklevel=3)
         compiled = torch.compile(self.step.core, fullgraph=True, backend=self._backend, dynamic=self._dynamic)
-        fn = compiled.aot_compile(((inner, batch), {}))
+        fn, count = None, self.compile_count
+        for attempt in range(2):
+            try:
+                fn = compiled.aot_compile(((inner, batch), {}))
+                break
+            except torch._dynamo.exc.TensorifyScalarRestartAnalysis:
+                # dynamo's own loop restarts here (it has just specialised a float input);
+                # the precompile API does not, so restart it once ourselves. The aborted
+                # attempt produced no graph: it does not count as a compile.
+                if attempt:
+                    raise
+                self.compile_count = count
+            except Exception as err:  # noqa: BLE001 - not precompilable: compile as without a cache
+                warnings.warn(f"the step cannot be saved to the cache ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}); it compiles as usual, "
+                              "and the next process compiles it again", RuntimeWarning, stacklevel=3)
+                return None
         try:
             step_cache.save(fn, path)
         except Exception as err:  # noqa: BLE001 - a read-only or full disk: run without saving

@@ -291,9 +291,13 @@ def save(compiled, path: pathlib.Path) -> None:
             tmp.unlink()
 
 
-def load(path: pathlib.Path):
+def load(path: pathlib.Path, core=None):
+    """The saved step; ``core``'s globals resolve the names the artifact refers to."""
+    f_globals = getattr(core, "__globals__", None)
     with open(path, "rb") as f:
-        return torch.compiler.load_compiled_function(f)
+        if f_globals is None:
+            return torch.compiler.load_compiled_function(f)
+        return torch.compiler.load_compiled_function(f, f_globals=f_globals)
 
 
 def is_guard_failure(err: BaseException) -> bool:
