@@ -370,3 +370,18 @@ def test_categorical_mlp_policy_samples_its_distribution_and_improves():
     assert policy.log_probs(obs).exp()[:, 1].mean() > 0.8
     with pytest.raises(ValueError, match=r"\[\.\.\., 4\]"):
         policy.log_probs(torch.zeros(3, 5))
+
+
+def test_image_classifier_channels_last_is_a_layout_not_a_model():
+    """channels_last (the default, for the compiled step's speed) changes only rounding."""
+    torch.manual_seed(0)
+    cl = ImageClassifier(3, 5, width=8, depth=3)
+    nchw = ImageClassifier(3, 5, width=8, depth=3, channels_last=False)
+    nchw.load_state_dict(cl.state_dict())
+    batch = {"image": torch.randn(4, 3, 12, 12, generator=torch.Generator().manual_seed(1)),
+             "label": torch.tensor([0, 1, 2, 3])}
+    a, b = cl(batch), nchw(batch)
+    torch.testing.assert_close(a["cls_logits"], b["cls_logits"], rtol=1e-4, atol=1e-5)
+    a["loss"].backward(), b["loss"].backward()
+    for (name, p), q in zip(cl.named_parameters(), nchw.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
