@@ -139,7 +139,8 @@ def _gather(pieces: dict, shapes: dict, ctx: D.DistContext) -> dict:
         by_dtype.setdefault(v.dtype, []).append(k)
     for keys in by_dtype.values():
         flat = torch.cat([pieces[k] for k in keys])
-        gathered = funcol.all_gather_tensor(flat, 0, ctx.group).view(ctx.world_size, flat.numel())
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # renamed in 2.13
+        gathered = gather(flat, 0, ctx.group).view(ctx.world_size, flat.numel())
         offset = 0
         for k in keys:
             s = pieces[k].numel()
