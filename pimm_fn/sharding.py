@@ -258,9 +258,10 @@ def restore(path, like: TrainState, ctx: Optional[D.DistContext] = None) -> tupl
     ctx = D.world() if ctx is None else ctx
     shapes = _full_shapes(like)
     if any(tuple(like.params[k].shape) != s for k, s in shapes.items()):
-        like = like.replace(params={k: torch.empty(s, dtype=like.params[k].dtype) for k, s in shapes.items()},
-                            opt_state=like.tx.init({k: torch.empty(s, dtype=like.params[k].dtype)
-                                                    for k, s in shapes.items()}))
+        # a full-shaped template on the state's devices (the module may live on meta)
+        empty = {k: torch.empty(s, dtype=like.params[k].dtype, device=like.params[k].device)
+                 for k, s in shapes.items()}
+        like = like.replace(params=empty, opt_state=like.tx.init(empty))
     try:
         full, extra = checkpoint.restore(path, like)
     except checkpoint.CheckpointMismatchError as e:
