@@ -104,3 +104,13 @@ def test_checkpoints_resume_on_another_world_size(tmp_path):
         assert res["saved_world_size"] == 3 - world
         assert res["local_numel"]["fc1.weight"] == math.ceil(15 * C.IN / world)
         assert res["max_param_diff"] <= 1e-5 and res["max_mu_diff"] <= 1e-5, res
+
+
+def test_step_runs_with_the_module_on_meta():
+    # the module is structure only: moving it to meta frees its own full weights
+    ref, sh = _state(), S.shard(_state())
+    sh.model.to("meta")
+    b = next(iter(C.loader(C.dataset(16), 8, 0, 1).iter_epoch(0)))
+    ref, _ = supervised(clip_grad=0.5)(ref, b)
+    sh, _ = S.sharded(clip_grad=0.5)(sh, b)
+    assert all(torch.equal(S.unshard(sh).params[k], ref.params[k]) for k in ref.params)
