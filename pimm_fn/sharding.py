@@ -10,11 +10,10 @@ step (:func:`sharded`):
 1. all-gather the pieces to full params (one functional collective per dtype),
 2. forward/backward with ``functional_call`` on the full params (no FSDP module hooks,
    so ``torch.autograd.grad`` sees ordinary tensors),
-3. all-reduce the gradients and take this rank's piece (gloo has no reduce-scatter for
-   functional collectives here; the full gradient is transient, params and optimizer state
-   are what stay sharded),
-4. finite check and global-norm clipping on the averaged full gradient (identical on
-   every rank, the number ``data_parallel`` computes), then the optimizer on the local
+3. reduce-scatter the gradients (mean): each rank receives only its piece (the full
+   local gradient is transient; params and optimizer state are what stay sharded),
+4. finite check and global-norm clipping over all pieces (one all-reduce of the sum of
+   squares and a non-finite flag, so every rank agrees), then the optimizer on the local
    piece only.
 
 So a sharded run computes the same numbers as :func:`pimm_fn.distributed.data_parallel`.
@@ -150,6 +149,31 @@ def _gather(pieces: dict, shapes: dict, ctx: D.DistContext) -> dict:
     return out
 
 
+def _reduce_scatter_mean(grads: dict, ctx: D.DistContext) -> dict:
+    """This rank's piece of the mean of ``grads`` over ranks: one reduce-scatter per dtype
+    (each rank receives only its piece, half the traffic of an all-reduce); traceable."""
+    from torch.distributed import _functional_collectives as funcol
+
+    world, out, by_dtype = ctx.world_size, {}, {}
+    for k, g in grads.items():
+        by_dtype.setdefault(g.dtype, []).append(k)
+    for keys in by_dtype.values():
+        rows = []
+        for k in keys:
+            flat = grads[k].reshape(-1)
+            s = shard_len(flat.numel(), world)
+            pad = s * world - flat.numel()
+            rows.append((torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).view(world, s))
+        # row r of the (world, total) layout is rank r's pieces of every param, in order
+        mine = funcol.reduce_scatter_tensor(torch.cat(rows, dim=1).reshape(-1), "sum", 0, ctx.group)
+        mine = mine * (1.0 / world)  # sum then scale: gloo has no AVG reduction
+        offset = 0
+        for k, row in zip(keys, rows):
+            out[k] = mine[offset:offset + row.shape[1]]
+            offset += row.shape[1]
+    return out
+
+
 def unshard(state: TrainState, ctx: Optional[D.DistContext] = None) -> TrainState:
     """The full state from a sharded one (a collective: every rank calls it, every rank
     gets the full params and optimizer state)."""
@@ -195,13 +219,21 @@ def sharded(ctx: Optional[D.DistContext] = None, *, clip_grad: Optional[float] =
         if scaler is not None:
             inv = unscale_factor(scaler)
             grads = tree_map(lambda g: g * inv, grads)
-        grads = D.all_reduce_gradients(grads, ctx)
-        finite = all_finite(grads) & torch.isfinite(loss)
-        grad_norm = global_norm(grads)
+        if ctx.is_distributed:
+            local = _reduce_scatter_mean(grads, ctx)
+            # the norm and finite check over every rank's piece: one all-reduce of
+            # [sum of squares, non-finite flag]; the same numbers on every rank
+            sq = torch.stack([p.float().pow(2).sum() for p in local.values()]).sum()
+            bad = (~(all_finite(local) & torch.isfinite(loss))).float()
+            totals = D._bucketed_all_reduce([torch.stack([sq, bad])], "sum", ctx.group)[0]
+            grad_norm, finite = totals[0].sqrt(), totals[1] == 0
+        else:
+            finite = all_finite(grads) & torch.isfinite(loss)
+            grad_norm = global_norm(grads)
+            local = {k: _piece(g, rank, world) for k, g in grads.items()}
         if clip_grad is not None:
             coef = torch.clamp(clip_grad / (grad_norm + 1e-6), max=1.0)
-            grads = tree_map(lambda g: g * coef, grads)
-        local = {k: _piece(g, rank, world) for k, g in grads.items()}
+            local = tree_map(lambda g: g * coef, local)
         updates, new_opt = state.tx.update(local, state.opt_state, state.params)
         params = tree_where(finite, apply_updates(state.params, updates), state.params)
         opt_state = tree_where(finite, new_opt, state.opt_state)

@@ -88,6 +88,7 @@ def test_two_ranks_sharded_equal_one_rank_unsharded(tmp_path):
     print(res)
     assert res["steps"] == 20 and res["compile_count"] == 1
     assert res["param_moved"] > 0.1
+    assert res["inf_skipped"] == 1.0 and res["inf_unchanged"]
     assert res["vs_one_rank_params"] <= 1e-5
     assert res["vs_data_parallel_params"] <= 1e-5 and res["vs_data_parallel_buffers"] <= 1e-5
     full, half = res["bytes_full"]["total"], res["bytes_sharded"]["total"]

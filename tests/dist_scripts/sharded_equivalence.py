@@ -3,7 +3,8 @@
 BatchNorm normalises with per-rank batch statistics, so the one-process reference that sees
 the same global batch is ``supervised(accumulate=2)`` over [rank 0's batch, rank 1's batch]:
 the same mean gradient. Also checks sharded == data_parallel (params and synced buffers),
-that each rank holds 1/2 of the state, and the compile (fullgraph, 1 compile). Writes
+that each rank holds 1/2 of the state, the compile (fullgraph, 1 compile) and that a
+non-finite gradient on one rank skips the step on both. Writes
 sharded_results.json.
 """
 import os
@@ -46,6 +47,14 @@ def main():
     res["vs_data_parallel_params"] = max(float((full.params[k] - dp.params[k]).abs().max()) for k in dp.params)
     res["vs_data_parallel_buffers"] = max(float((full.buffers[k].float() - dp.buffers[k].float()).abs().max())
                                           for k in dp.buffers)
+    # a non-finite gradient on rank 1 only: both ranks skip, their pieces stay as they were
+    xs = torch.randn(B, C.IN)
+    if ctx.rank == 1:
+        xs[0, 0] = float("inf")
+    after, m = step(sh, {"x": xs, "y": torch.zeros(B, C.OUT)})
+    res["inf_skipped"] = float(m["skipped"])
+    res["inf_unchanged"] = all(torch.equal(after.params[k], sh.params[k]) for k in sh.params)
+    res["inf_compile_count"] = step.compile_count
     if ctx.is_main:
         ref, ref_step = fresh(), supervised(clip_grad=0.5, accumulate=2)
         halves = zip(C.loader(data, B, 0, 2).iter_epoch(0), C.loader(data, B, 1, 2).iter_epoch(0))
