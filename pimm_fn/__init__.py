@@ -4,7 +4,7 @@
     step = compile_step(steps.supervised(clip_grad=1.0))
     state, history = fit(state, loader, step, epochs=10, callbacks=[ProgressBar()])
 """
-from . import amp, callbacks, checkpoint, data, distributed, events, metrics, models, optim, rl, schedules, steps
+from . import amp, callbacks, checkpoint, data, distributed, events, metrics, models, optim, rl, schedules, sharding, steps
 from .amp import Autocast, LossScaleConfig, LossScaleState
 from .callbacks import (
     Callback, Checkpoint, EarlyStopping, Evaluate, ProgressBar, StopOnNonFinite, TensorBoard, TextLog, Trace,
@@ -29,5 +29,5 @@ __all__ = [
     "Step", "StepBlock", "StepEnd", "Stop", "StopOnNonFinite", "TensorBoard", "TextLog", "Trace", "TrainEnd", "TrainStart",
     "TrainState", "WandB", "amp", "callbacks", "checkpoint", "compile_step", "data", "distributed", "events",
     "explain_step", "fit", "fit_epoch", "grpo", "import_seed_checkpoint", "metrics", "models", "on", "optim",
-    "restore", "restore_latest", "resume", "rl", "save", "schedules", "steps", "supervised",
+    "restore", "restore_latest", "resume", "rl", "save", "schedules", "sharding", "steps", "supervised",
 ]
