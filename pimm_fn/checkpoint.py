@@ -268,6 +268,22 @@ def _listing(items, limit: int = _MAX_LISTED) -> str:
 # --------------------------------------------------------------------------- save
 
 
+def _refuse_pieces(state: TrainState) -> None:
+    """A checkpoint holds full tensors. A sharded state (``pimm_fn.sharding``) holds one
+    rank's 1-D pieces; written as is, it would restore as nothing anyone can use."""
+    model = getattr(state, "model", None)
+    if model is None:
+        return
+    for name, p in model.named_parameters():
+        leaf = state.params.get(name) if isinstance(state.params, Mapping) else None
+        if isinstance(leaf, torch.Tensor) and tuple(leaf.shape) != tuple(p.shape):
+            raise CheckpointError(
+                f"params[{name!r}] has shape {tuple(leaf.shape)} but the model's parameter is "
+                f"{tuple(p.shape)}: this looks like a sharded state (one rank's pieces). Save it "
+                "with pimm_fn.sharding.save(path, state), which gathers full tensors on every "
+                "rank and writes them once; fit's Checkpoint callback does not gather")
+
+
 def save(path: Union[str, os.PathLike], state: TrainState, extra: Any = None) -> Path:
     """Write ``state`` (every leaf) and ``extra`` to one checkpoint file, atomically.
 
@@ -280,6 +296,7 @@ def save(path: Union[str, os.PathLike], state: TrainState, extra: Any = None) ->
     """
     if sys.byteorder != "little":
         raise CheckpointError("checkpoints are little-endian; this platform is big-endian")
+    _refuse_pieces(state)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
 

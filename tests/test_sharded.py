@@ -63,10 +63,13 @@ def test_mismatched_states_name_cause_and_fix(tmp_path):
         S.sharded()(other, batch)
     with pytest.raises(S.ShardingError, match="already sharded"):
         S.shard(other)
-    # a raw checkpoint.save of one rank's pieces cannot be restored as a full state
-    checkpoint.save(tmp_path / "raw.pimm", other)
-    with pytest.raises(S.ShardingError, match="save sharded runs with pimm_fn.sharding.save"):
-        S.restore(tmp_path / "raw.pimm", full)
+    # checkpoint.save (and so fit's Checkpoint callback) refuses one rank's pieces and writes nothing
+    with pytest.raises(checkpoint.CheckpointError, match=r"sharded state .* pimm_fn.sharding.save"):
+        checkpoint.save(tmp_path / "raw.pimm", other)
+    assert not (tmp_path / "raw.pimm").exists()
+    with pytest.raises(checkpoint.CheckpointError, match="sharded state"):
+        checkpoint.CheckpointDir(tmp_path / "run").save(other, step=1)
+    assert not list((tmp_path / "run").glob("*.ckpt"))
 
 
 def test_save_restore_round_trip_single_process(tmp_path):
