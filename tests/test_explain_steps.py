@@ -128,3 +128,11 @@ def test_explain_step_reports_a_break_in_a_grpo_loss():
     assert explanation.graph_break_count > 0 or explanation.break_reasons
     count, reasons = bench.graph_breaks(step, _grpo_state(), _policy_batch())
     assert count > 0 or reasons
+
+
+def test_benchmark_step_takes_a_grpo_step():
+    # GRPO is a Step: benchmark_step explains, compiles (rollout eager) and times it.
+    res = bench.benchmark_step(grpo(**GRPO_KW), _grpo_state(), _policy_batch(), steps=2, warmup=1, rounds=1)
+    assert res.compile_error is None and res.compiled, res.compile_error
+    assert (res.graph_break_count, res.break_reasons) == (0, [])
+    assert res.compile_count == 1
