@@ -42,7 +42,7 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from benchmarks import workloads as W  # noqa: E402
-from pimm_fn.bench import PeakMemory, batch_size, explain_step, machine_info, measure_compile_cache  # noqa: E402
+from pimm_fn.bench import PeakMemory, batch_size, graph_breaks, machine_info, measure_compile_cache  # noqa: E402
 from pimm_fn.compile import compile_step  # noqa: E402
 
 from benchmarks import jax_ways as J  # noqa: E402  (imports jax only when the way runs)
@@ -238,7 +238,7 @@ def bench_model(name, args, gemm):
     wl = W.WORKLOADS[name]()
     batches = list(wl.batches)
     print(f"[{name}] {wl.notes}", flush=True)
-    gb_count, gb_reasons = explain_step(wl.step, wl.state, batches[0])  # resets dynamo: before compiling
+    gb_count, gb_reasons = graph_breaks(wl.step, wl.state, batches[0])  # resets dynamo: before compiling
     ways = build_ways(wl, only=args.ways)
     extra = {}
     if name == "pointseg" and "pimm_compiled" in args.ways:

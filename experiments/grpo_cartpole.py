@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from pimm_fn import optim
+from pimm_fn.compile import compile_step
 from pimm_fn.experiment import Run
 from pimm_fn.models.policies import CategoricalMLPPolicy
 from pimm_fn.state import TrainState
@@ -158,7 +159,7 @@ def build(settings: dict, ctx) -> Run:
         clip_low=s["clip"], clip_high=s["clip"], reduction="token",
     )
     if s["compile"]:
-        step = step.compile()
+        step = compile_step(step)  # the rollout stays eager on the host; the update core compiles
     return Run(
         state=state, loader=RolloutLoader(s["steps"], s["events"]), step=step, epochs=1,
         evaluate=lambda st: {"eval_return": greedy_return(st, s["eval_episodes"], s["max_steps"])},

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from pimm_fn import optim
+from pimm_fn.compile import compile_step
 from pimm_fn.data import LidarBlocks, build_eval_loader, build_train_loader, transforms as T
 from pimm_fn.experiment import Run
 from pimm_fn.metrics import intersection_and_union, segmentation_scores
@@ -155,6 +156,6 @@ def build(settings: dict, ctx) -> Run:
                 policy_updates=s["policy_updates"], microbatch_size=s["microbatch_size"],
                 clip_low=s["clip"], clip_high=s["clip"], kl_coef=s["kl_coef"])
     if s["compile"]:
-        step = step.compile()
+        step = compile_step(step)  # the rollout stays eager on the host; the update core compiles
     return Run(state=state, loader=loader, step=step, epochs=s["epochs"],
                evaluate=lambda st: evaluate_miou(st, val_loader), best_metric="val_mIoU", best_mode="max")

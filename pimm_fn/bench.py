@@ -40,9 +40,9 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import attrs
 import torch
 
-from .compile import CompiledStep, Step, _explain_target, _rank_seed, as_step, compile_step, seeded_rng
+from .compile import CompiledStep, Step, as_step, compile_step, explain_step
 
-__all__ = ["BenchResult", "Workload", "benchmark_step", "bench_main", "explain_step", "machine_info",
+__all__ = ["BenchResult", "Workload", "benchmark_step", "bench_main", "graph_breaks", "machine_info",
            "measure_compile_cache", "batch_size"]
 
 
@@ -289,24 +289,17 @@ def _allocator_peak(prof) -> int:
     return int(peak)
 
 
-def explain_step(step_fn, state, batch) -> tuple[int, list[str]]:
-    """(graph_break_count, break_reasons) of the step's pure core, from ``torch._dynamo.explain``.
+def graph_breaks(step_fn, state, batch) -> tuple[int, list[str]]:
+    """``(graph_break_count, break_reasons)`` of any step, from :func:`pimm_fn.compile.explain_step`.
 
     A count of 0 with a listed reason (e.g. an unsupported ``.item()``) is still a break:
-    check both. Note: explain resets dynamo, dropping every compiled graph in the process,
-    so call it before compiling (:func:`benchmark_step` does).
+    check both. A step that cannot be traced at all is reported as one break, not raised.
+    Explaining resets dynamo, dropping every compiled graph in the process, so call it
+    before compiling (:func:`benchmark_step` does).
     """
-    # A CompiledStep explains its Step; a GRPO step runs its rollout and explains its update core.
-    step, state, batch = _explain_target(step_fn, state, batch)
-    core = step.core
-    stripped = state.replace(rng=None, cursor=None) if hasattr(state, "replace") and hasattr(state, "rng") else state
-    # Seeded from the key as a call is, and the caller's generator put back afterwards.
-    rng = getattr(state, "rng", None)
-    seeding = seeded_rng(_rank_seed(rng.step_seed())) if rng is not None else contextlib.nullcontext()
     try:
-        with seeding, torch._dynamo.config.patch(trace_autograd_ops=True):
-            out = torch._dynamo.explain(core)(stripped, batch)
-    except Exception as e:  # a step that cannot even be traced is reported, not raised
+        out = explain_step(step_fn, state, batch)
+    except Exception as e:  # noqa: BLE001 - reported in the result, not raised
         return 1, [f"explain failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
     reasons = []
     for r in out.break_reasons:
@@ -385,7 +378,7 @@ def benchmark_step(
 
     gb_count, gb_reasons = (None, [])
     if check_graph_breaks:
-        gb_count, gb_reasons = explain_step(step_fn, state, batches[0])
+        gb_count, gb_reasons = graph_breaks(step_fn, state, batches[0])
 
     if isinstance(step_fn, CompiledStep):
         runner = step_fn

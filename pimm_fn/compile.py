@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch._dynamo
 
-from .state import TrainState
+from .state import RngKey, TrainState
 
 _DYNAMO_CONFIG = torch._dynamo.config
 _CPU_GENERATOR = torch.default_generator
@@ -128,31 +128,75 @@ def _run_probed(core: StepCore, state: TrainState, batch):
 
 
 class Step:
-    """A pure step ``(state, batch) -> (state, metrics)`` with its host boundary.
+    """A step ``(state, batch) -> (state, metrics)``: an optional host ``prepare`` and a pure core.
 
     core: the pure function over the state's tensor leaves. It must not read
         ``state.rng`` or ``state.cursor`` (they are None inside) and should advance
-        ``state.step``. Calling a Step runs it eagerly; ``compile_step`` compiles it.
+        ``state.step``. Calling a Step runs it eagerly; ``compile_step`` compiles the core.
+    prepare: optional ``prepare(state, batch) -> batch'`` run eagerly on the host before the
+        core, never compiled (any Python: GRPO's rollout sampling and rewards). torch's
+        generator is seeded from the state's key while it runs, so what it draws is a
+        function of the state (resume stays exact); the core then sees ``batch'`` and its
+        own key split off this step's key (its dropout does not replay prepare's stream).
     check_batch: optional ``(state, batch) -> None`` that raises on a batch the step cannot
-        use; a compiled step runs it on the host before its first trace.
+        use; a compiled step runs it on the host before its first trace (on ``batch'``).
     """
 
     def __init__(self, core: StepCore, *, name: Optional[str] = None, raise_on_nonfinite: bool = False,
-                 check_batch: Optional[Callable] = None):
+                 check_batch: Optional[Callable] = None, prepare: Optional[Callable] = None):
+        if prepare is not None and not callable(prepare):
+            raise TypeError(f"prepare must be a function prepare(state, batch) -> batch, got {type(prepare).__name__}")
         self.core = core
         self.name = name or getattr(core, "__name__", "step")
         self.raise_on_nonfinite = raise_on_nonfinite
         # check_batch(state, batch): host checks a compiled step runs before its first trace.
         self.check_batch = check_batch
+        self.prepare = prepare
         functools.update_wrapper(self, core, updated=())
 
     def __call__(self, state: TrainState, batch):
-        new_state, metrics = _run_core(self.core, state, batch)
+        if self.prepare is None:
+            new_state, metrics = _run_core(self.core, state, batch)
+        else:
+            inner, prepared = _prepare(self, state, batch)
+            new_state, metrics = _run_core(self.core, inner, prepared)
+            new_state = _with_host(new_state, state.rng.next(), state.cursor)
         _check_finite(self, state, metrics)
         return new_state, metrics
 
     def __repr__(self):
         return f"Step({self.name})"
+
+
+def _prepare(step: "Step", state: TrainState, batch):
+    """Run ``step.prepare`` on the host: ``(the state the core gets, the core's batch)``.
+
+    The core's state carries a key split off this step's key; the caller hands back the
+    state with the step's own key advanced (as a step without prepare does).
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"a step takes a TrainState as its first argument, got {type(state).__name__}")
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"step {step.name!r} has a host prepare phase and cannot be traced whole; "
+            "compile it with compile_step(step), which compiles its core and runs prepare eagerly"
+        )
+    seed = state.rng.step_seed()
+    with seeded_rng(_rank_seed(seed)):
+        prepared = step.prepare(state, batch)
+    if prepared is None:
+        raise TypeError(
+            f"the prepare function of step {step.name!r} returned None; it must return the batch "
+            "its core takes (prepare(state, batch) -> batch'): is a `return` missing?"
+        )
+    if isinstance(prepared, TrainState) or (
+            isinstance(prepared, tuple) and prepared and isinstance(prepared[0], TrainState)):
+        raise TypeError(
+            f"the prepare function of step {step.name!r} returned a TrainState; prepare returns only "
+            "the batch its core takes (prepare(state, batch) -> batch') and cannot change the state: "
+            "move state updates into the core"
+        )
+    return _with_host(state, RngKey(seed=seed, counter=0), state.cursor), prepared
 
 
 def _check_finite(step: "Step", state: TrainState, metrics: dict):
@@ -265,6 +309,13 @@ class CompiledStep:
             self._flag_set = True
 
     def __call__(self, state: TrainState, batch):
+        if self.step.prepare is None:
+            return self._call_core(state, batch)
+        inner, prepared = _prepare(self.step, state, batch)
+        new_state, metrics = self._call_core(inner, prepared)
+        return _with_host(new_state, state.rng.next(), state.cursor), metrics
+
+    def _call_core(self, state: TrainState, batch):
         if self._pending_reasons:
             self._pending_reasons = []
         before = self.compile_count
@@ -452,9 +503,10 @@ def explain_step(step_fn, state: TrainState, batch):
 
     Returns dynamo's ExplainOutput. A clean step has ``graph_break_count == 0`` and an
     empty ``break_reasons`` (both matter: the count alone can read 0 while a reason is
-    listed). The state is not mutated. step_fn may be a core function, a :class:`Step`, a
-    :class:`CompiledStep` or a step with a host phase (a GRPO step: its rollout runs on the
-    host and its pure update core is explained).
+    listed). The state is not mutated and the caller's generator is left as it was.
+    step_fn may be a core function, any :class:`Step` or a :class:`CompiledStep`; a step
+    with a host ``prepare`` (GRPO's rollout) runs it exactly as a call would, and its core
+    is explained (only the core is ever compiled). Explaining resets dynamo.
     """
     step, state, batch = _explain_target(step_fn, state, batch)
     inner = state.replace(rng=None, cursor=None)
@@ -463,15 +515,10 @@ def explain_step(step_fn, state: TrainState, batch):
 
 
 def _explain_target(step_fn, state: TrainState, batch):
-    """The pure :class:`Step` that a step runs, with the state and batch its core sees.
-
-    A CompiledStep explains its uncompiled Step. A step with a host phase exposes
-    ``explain_inputs(state, batch) -> (step, state, batch)``: it runs that phase (GRPO's
-    rollout) and hands over its core, since only the core is ever compiled.
-    """
+    """The :class:`Step` a step runs, with the state and batch its core sees."""
     if isinstance(step_fn, CompiledStep):
         step_fn = step_fn.step
-    host_phase = getattr(step_fn, "explain_inputs", None)
-    if host_phase is not None:
-        step_fn, state, batch = host_phase(state, batch)
-    return as_step(step_fn), state, batch
+    step = as_step(step_fn)
+    if step.prepare is not None:
+        state, batch = _prepare(step, state, batch)
+    return step, state, batch

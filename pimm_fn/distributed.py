@@ -420,8 +420,10 @@ def wrap_step(step, ctx: Optional[DistContext] = None, *, sync_buffers: bool = F
               reduce: bool = True, count_fn: Optional[Callable] = None, accumulate: int = 1):
     """Make a step data-parallel after the fact: reduce its metrics, count samples, sync BN.
 
-    step: a :class:`~pimm_fn.compile.Step` whose gradients are already averaged (built
-        with ``grad_transform=grad_transform(ctx)``); :func:`data_parallel` does both.
+    step: any :class:`~pimm_fn.compile.Step` whose gradients are already averaged (built
+        with ``grad_transform=grad_transform(ctx)``, GRPO's too); :func:`data_parallel` does
+        both for a supervised step. A step's host ``prepare`` (GRPO's rollout) is kept: it
+        runs on each rank's own batch, and the core's batch is what ``count_fn`` sees.
     sync_buffers: average floating-point buffers (BatchNorm running mean/var) over ranks
         after each step, so every rank holds the same statistics (see docs/distributed.md
         for how this differs from SyncBatchNorm). Integer buffers (num_batches_tracked)
@@ -465,7 +467,8 @@ def wrap_step(step, ctx: Optional[DistContext] = None, *, sync_buffers: bool = F
         return new_state, metrics
 
     return Step(data_parallel_step, name=f"data_parallel({step.name})",
-                raise_on_nonfinite=step.raise_on_nonfinite)
+                raise_on_nonfinite=step.raise_on_nonfinite, check_batch=step.check_batch,
+                prepare=step.prepare)
 
 
 def data_parallel(ctx: Optional[DistContext] = None, *, sync_buffers: bool = False,

@@ -159,7 +159,7 @@ def test_peak_memory_of_a_step_in_a_warm_process():
     assert "allocator" in mem.method
 
 
-def test_bench_explain_step_leaves_the_callers_generator_alone():
+def test_bench_graph_breaks_leaves_the_callers_generator_alone():
     import torch
 
     from pimm_fn import TrainState, bench, optim, steps
@@ -170,5 +170,5 @@ def test_bench_explain_step_leaves_the_callers_generator_alone():
     torch.manual_seed(11)
     expected = torch.rand(3)
     torch.manual_seed(11)
-    assert bench.explain_step(steps.supervised(), state, batch)[0] == 0
+    assert bench.graph_breaks(steps.supervised(), state, batch)[0] == 0
     assert torch.equal(torch.rand(3), expected)

@@ -1,5 +1,6 @@
 """The compiled step's RNG boundary: graphs that draw no random numbers skip the generator
 round trip; graphs that draw are seeded from the state's key, also when one appears late."""
+import pytest
 import torch
 
 from pimm_fn import TrainState, compile_step, optim, steps
@@ -91,3 +92,65 @@ def test_an_eager_step_seeds_every_call_whatever_its_first_call_drew():
     first = {}
     assert torch.equal(_caller_stream_after(lambda: first.setdefault("s", step(s0, big)[0])), clean)
     assert _same(first["s"], step(s0, big)[0])
+
+
+# --------------------------------------------------------------------------- host prepare
+
+
+def _prepare_state():
+    from pimm_fn import optim
+    from pimm_fn.models import MLPClassifier
+
+    return TrainState.create(MLPClassifier(4, 3, hidden=(8,)), optim.sgd(0.1), seed=3)
+
+
+def _noisy_inputs(state, batch):
+    # host code drawing from torch's generator: the step seeds it from state.rng
+    return {"x": batch["x"] + torch.randn_like(batch["x"]), "y": batch["y"]}
+
+
+def test_prepare_runs_seeded_before_the_core_eager_and_compiled():
+    from pimm_fn.compile import Step, compile_step
+    from pimm_fn.steps import supervised
+
+    plain = supervised()
+    step = Step(plain.core, prepare=_noisy_inputs, name="noisy")
+    state = _prepare_state()
+    batch = {"x": torch.randn(6, 4), "y": torch.randint(0, 3, (6,))}
+    torch.manual_seed(0)
+    expected = torch.rand(2)
+    torch.manual_seed(0)
+    a, ma = step(state, batch)
+    assert torch.equal(torch.rand(2), expected)  # the caller's generator is left alone
+    b, mb = step(state, batch)  # same state: same noise, same result
+    assert all(torch.equal(a.params[k], b.params[k]) for k in a.params)
+    assert a.rng == state.rng.next() and a.cursor == state.cursor
+    clean, _ = plain(state, batch)  # the noise was really added
+    assert not all(torch.equal(a.params[k], clean.params[k]) for k in a.params)
+    c, mc = compile_step(step)(state, batch)
+    for k in a.params:
+        torch.testing.assert_close(c.params[k], a.params[k], rtol=1e-6, atol=1e-6)
+    assert c.rng == a.rng
+
+
+@pytest.mark.parametrize("bad, words", [
+    (lambda state, batch: None, "returned None"),
+    (lambda state, batch: (state, batch), "returned a TrainState"),
+])
+def test_prepare_returning_no_batch_is_a_clear_error(bad, words):
+    from pimm_fn.compile import Step, compile_step, explain_step
+    from pimm_fn.steps import supervised
+
+    step = Step(supervised().core, prepare=bad, name="bad_prepare")
+    batch = {"x": torch.randn(6, 4), "y": torch.randint(0, 3, (6,))}
+    for run in (step, compile_step(step), lambda s, b: explain_step(step, s, b)):
+        with pytest.raises(TypeError, match=words) as err:
+            run(_prepare_state(), batch)
+        assert "bad_prepare" in str(err.value) and "prepare(state, batch) -> batch'" in str(err.value)
+
+
+def test_prepare_must_be_callable():
+    from pimm_fn.compile import Step
+
+    with pytest.raises(TypeError, match="prepare must be a function"):
+        Step(lambda s, b: (s, {}), prepare=3)

@@ -69,6 +69,21 @@ def test_two_ranks_batch_b_equal_one_process_batch_2b(tmp_path):
     assert res["read_after_main_write"] is True
 
 
+def test_grpo_two_ranks_equal_one_process_on_the_global_batch(tmp_path):
+    # GRPO is a Step: grad_transform all-reduces each update's gradients (before clipping),
+    # wrap_step reduces metrics, compile_step compiles it; its rollout runs per rank.
+    rc, out, _ = torchrun("dp_grpo.py", tmp_path)
+    _ok(rc, out)
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"grpo_rank{rank}.json").read_text())
+        assert (r["world_size"], r["rank"], r["steps"]) == (2, rank, 4)
+        assert r["param_moved"] > 0.05  # the runs really trained
+        assert r["max_param_diff"] < 1e-5, r
+        assert max(r["max_metric_diff"].values()) < 1e-5, r
+        assert r["trajectories"] == 16.0  # 4 events x G=4 over both ranks
+        assert r["compile_count"] == 1 and r["compiled_vs_eager"] < 1e-5, r
+
+
 def test_two_rank_checkpoint_restored_on_two_ranks_continues_exactly(tmp_path):
     rc, out, _ = torchrun("dp_resume.py", tmp_path, "full")
     _ok(rc, out)

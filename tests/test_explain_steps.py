@@ -1,9 +1,10 @@
 """explain_step works on every ready-made step and finds 0 graph breaks in each.
 
 The ready-made steps: ``steps.supervised`` (plain, BatchNorm, accumulation, loss scaling),
-``distributed.data_parallel`` (single process), ``steps.grpo`` (eager and ``.compile()``d:
-its rollout runs on the host, its update core is explained) and any of them behind
-``compile_step``. Both ``pimm_fn.compile.explain_step`` and ``pimm_fn.bench.explain_step``.
+``distributed.data_parallel`` (single process), ``steps.grpo`` (its rollout is the step's
+host ``prepare``, its update core is explained; also data-parallel through ``wrap_step``)
+and any of them behind ``compile_step``. Both ``pimm_fn.compile.explain_step`` and
+``pimm_fn.bench.graph_breaks`` (its summary).
 """
 import pytest
 import torch
@@ -83,7 +84,10 @@ CASES = {
     "grpo": (lambda: grpo(**GRPO_KW), _grpo_state, _policy_batch),
     "grpo_dr_constant": (lambda: grpo(**GRPO_KW, advantage="dr_grpo", reduction="constant", max_length=T),
                          _grpo_state, _policy_batch),
-    "grpo_compiled": (lambda: grpo(**GRPO_KW).compile(), _grpo_state, _policy_batch),
+    "grpo_compiled": (lambda: compile_step(grpo(**GRPO_KW)), _grpo_state, _policy_batch),
+    "grpo_data_parallel_single_process": (
+        lambda: distributed.wrap_step(grpo(**GRPO_KW, grad_transform=distributed.grad_transform())),
+        _grpo_state, _policy_batch),
     "grpo_fp16_loss_scale": (
         lambda: grpo(**GRPO_KW, autocast="float16"),
         lambda: with_reference(TrainState.create(_Policy(), optim.adam(lr=1e-2), seed=0, loss_scale=True)),
@@ -107,9 +111,9 @@ def test_explain_step_finds_no_graph_breaks(name):
 
 
 @pytest.mark.parametrize("name", ["grpo", "compiled_supervised"])
-def test_bench_explain_step_on_grpo_and_compiled_steps(name):
+def test_bench_graph_breaks_on_grpo_and_compiled_steps(name):
     make_step, make_state, make_batch = CASES[name]
-    count, reasons = bench.explain_step(make_step(), make_state(), make_batch())
+    count, reasons = bench.graph_breaks(make_step(), make_state(), make_batch())
     assert (count, reasons) == (0, [])
 
 
@@ -122,5 +126,13 @@ def test_explain_step_reports_a_break_in_a_grpo_loss():
     step = grpo(sample=_sample, reward=_reward, group_size=G, loss=leaky_loss)
     explanation = explain_step(step, _grpo_state(), _policy_batch())
     assert explanation.graph_break_count > 0 or explanation.break_reasons
-    count, reasons = bench.explain_step(step, _grpo_state(), _policy_batch())
+    count, reasons = bench.graph_breaks(step, _grpo_state(), _policy_batch())
     assert count > 0 or reasons
+
+
+def test_benchmark_step_takes_a_grpo_step():
+    # GRPO is a Step: benchmark_step explains, compiles (rollout eager) and times it.
+    res = bench.benchmark_step(grpo(**GRPO_KW), _grpo_state(), _policy_batch(), steps=2, warmup=1, rounds=1)
+    assert res.compile_error is None and res.compiled, res.compile_error
+    assert (res.graph_break_count, res.break_reasons) == (0, [])
+    assert res.compile_count == 1

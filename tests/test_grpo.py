@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pimm_fn import checkpoint, optim, rl
-from pimm_fn.compile import explain_step
+from pimm_fn.compile import compile_step, explain_step, seeded_rng
 from pimm_fn.state import TrainState
 from pimm_fn.steps.grpo import REF_KEY, Rollout, grpo, with_reference
 from pimm_fn.tree import tree_leaves
@@ -74,7 +74,7 @@ STEP_KW = dict(sample=sample, reward=reward, group_size=G, policy_updates=2, kl_
 @pytest.fixture(scope="module")
 def compiled():
     """One compiled GRPO step (P=2, KL on) shared by this module."""
-    return grpo(**STEP_KW).compile()
+    return compile_step(grpo(**STEP_KW))
 
 
 # --------------------------------------------------------------------------- exactness
@@ -146,7 +146,8 @@ def test_dr_grpo_constant_reduction_first_update_value():
     step = grpo(sample=varied_lengths, reward=reward, group_size=G, advantage="dr_grpo",
                 reduction="constant", max_length=10)
     new, m = step(st, make_batch())
-    _, _, ro = step.explain_inputs(st, make_batch())  # the rollout the call made
+    with seeded_rng(st.rng.step_seed()):  # the rollout the call made: prepare runs seeded so
+        ro = step.rollout(st, make_batch())
     adv = (ro.rewards - ro.rewards.mean(1, keepdim=True)).reshape(-1)
     lengths = ro.traj["mask"].sum(-1).float()
     expected = -(adv * lengths / 10).mean()
@@ -183,9 +184,7 @@ def test_compiled_update_has_no_graph_breaks():
     # micro-batches of 3 over groups of 4: 6 chunks, each a forward/backward in the graph
     step = grpo(**{**STEP_KW, "microbatch_size": 3, "policy_updates": 1})
     st = make_state(ref=True)
-    torch.manual_seed(st.rng.step_seed())
-    ro = step.rollout(st, make_batch())
-    explanation = explain_step(step.update, st, ro)
+    explanation = explain_step(step, st, make_batch())  # runs the rollout, explains the core
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert not explanation.break_reasons
     assert explanation.graph_count == 1
@@ -199,7 +198,7 @@ def test_compiled_step_matches_eager(compiled):
     for k in a.params:
         torch.testing.assert_close(a.params[k], b.params[k], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ma["loss"], mb["loss"], atol=1e-5, rtol=1e-5)
-    assert compiled.compiled.compile_count == 1
+    assert compiled.compile_count == 1
 
 
 # --------------------------------------------------------------------------- resume

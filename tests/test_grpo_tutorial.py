@@ -48,7 +48,8 @@ def test_dapo_variant_reward_rises(tutorial):
     ns, printed = tutorial
     assert "DAPO reward" in printed
     _assert_rises(ns["dapo_rewards"])
-    assert ns["update"].compile_count == 1  # the whole DAPO step compiled once, fullgraph
+    assert ns["dapo"].compile_count == 1  # the whole DAPO core compiled once, fullgraph
+    assert ns["dapo"].step.prepare is ns["rollout"]  # the rollout is the step's host prepare
 
 
 def test_dr_grpo_variant_reward_rises(tutorial):
@@ -63,7 +64,10 @@ def test_dapo_step_masks_groups_with_equal_rewards(tutorial):
     ns, _ = tutorial
     G, B = ns["G"], ns["B"]
     state = ns["TrainState"].create(ns["Policy"](), ns["optim"].adam(lr=3e-2), seed=1)
-    ro = ns["rollout"](state, ns["make_batch"](7))
+    from pimm_fn.compile import seeded_rng
+
+    with seeded_rng(state.rng.step_seed()):  # as the step runs its prepare
+        ro = ns["rollout"](state, ns["make_batch"](7))
     rewards = ro["rewards"].clone()
     assert bool(ns["informative_groups"](rewards).all())  # a fresh policy: every group varies
     rewards[0] = 3.0  # group 0: all equal, so no signal

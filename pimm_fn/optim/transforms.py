@@ -222,6 +222,17 @@ def adamw(
     return _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled=True)
 
 
+def clip_to_norm(grads, norm: torch.Tensor, max_norm: float):
+    """``grads`` scaled by ``min(1, max_norm / (norm + 1e-6))`` (``clip_grad_norm_``'s rule).
+
+    norm: the gradients' global L2 norm, already computed (a step reports it as a metric).
+    The one place the clipping rule lives: :func:`clip_by_global_norm` and the steps'
+    shared update (:func:`pimm_fn.steps.common.guarded_update`) both call it.
+    """
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return tree_map(lambda g: g * coef.to(g.device), grads)
+
+
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """``torch.nn.utils.clip_grad_norm_``: scale by ``min(1, max_norm / (norm + 1e-6))``.
 
@@ -236,8 +247,6 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         return EmptyState()
 
     def update(grads, state, params=None):
-        total = global_norm(grads)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        return tree_map(lambda g: g * coef.to(g.device), grads), state
+        return clip_to_norm(grads, global_norm(grads), max_norm), state
 
     return GradientTransformation(init, update, None)

@@ -8,6 +8,7 @@ from torch.func import functional_call
 
 from ..amp import LossScaleConfig, unscale_factor, update_loss_scale
 from ..optim.base import apply_updates
+from ..optim.transforms import clip_to_norm
 from ..tree import all_finite, global_norm, tree_map, tree_where
 
 
@@ -114,8 +115,9 @@ def applied_buffers(applied: torch.Tensor, new: dict, old: dict) -> dict:
 def guarded_update(tx, params: dict, opt_state, grads: dict, *, loss: Optional[torch.Tensor] = None,
                    scaler=None, scaler_config: LossScaleConfig = LossScaleConfig(),
                    clip_grad: Optional[float] = None, grad_transform: Optional[Callable] = None):
-    """One optimizer update behind the engine's guards; every ready-made step applies its
-    gradients through this.
+    """The update kernel: one optimizer update behind the engine's guards. Every step
+    (supervised, GRPO, a user's own) applies its gradients through this, so gradient
+    transforms, the finite guard, clipping and loss scaling live in one place.
 
     In order: unscale by the loss scale (``scaler``: the state's LossScaleState, or None),
     ``grad_transform`` (e.g. the data-parallel all-reduce), the finite check over the
@@ -134,8 +136,7 @@ def guarded_update(tx, params: dict, opt_state, grads: dict, *, loss: Optional[t
         finite = finite & torch.isfinite(loss)
     grad_norm = global_norm(grads)
     if clip_grad is not None:
-        coef = torch.clamp(clip_grad / (grad_norm + 1e-6), max=1.0)
-        grads = tree_map(lambda g: g * coef, grads)
+        grads = clip_to_norm(grads, grad_norm, clip_grad)
     updates, new_opt = tx.update(grads, opt_state, params)
     new_params = apply_updates(params, updates)
     params = tree_where(finite, new_params, params)

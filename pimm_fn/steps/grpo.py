@@ -1,10 +1,13 @@
 """The GRPO step: sample a group of trajectories per input, score them, update the policy P times.
 
-Replaces the seed's GRPOTrainer (seed-behaviour.md items 14-18). One call
+Replaces the seed's GRPOTrainer (seed-behaviour.md items 14-18). A GRPO step is a
+:class:`pimm_fn.compile.Step`: its host ``prepare`` is the rollout and its pure core the
+update, so ``compile_step``, ``explain_step``, ``distributed.wrap_step`` and
+``bench.benchmark_step`` take it like any other step. One call
 ``state, metrics = step(state, batch)`` runs two phases:
 
-1. **Rollout (host, eager, no grad).** torch's generator is seeded from the state's RNG
-   key, then ``sample(policy, batch, group_size)`` draws G trajectories for each of the
+1. **Rollout (``prepare``: host, eager, no grad).** torch's generator is seeded from the
+   state's RNG key, then ``sample(policy, batch, group_size)`` draws G trajectories for each of the
    B inputs of the batch and returns a :class:`Rollout`. ``reward(batch, rollout)``
    scores them (``[B, G]``, or ``[B, G, T]`` per-step rewards) and the rewards are
    validated on the host (:func:`pimm_fn.rl.validate_rewards`). This phase may run any
@@ -13,9 +16,11 @@ Replaces the seed's GRPOTrainer (seed-behaviour.md items 14-18). One call
    ``kl_coef != 0``), then P = ``policy_updates`` optimizer updates over the cached
    rollout, each optionally split into trajectory micro-batches whose losses are weighted
    by count / total so that one update sees the full-batch gradient. This core is a
-   plain step function ``(state, rollout) -> (state, metrics)``: ``compile_step``
-   compiles it with ``fullgraph=True``; ``explain_step(step, state, batch)`` runs the
-   rollout and inspects it.
+   plain step function ``(state, rollout) -> (state, metrics)``: ``compile_step(step)``
+   compiles it with ``fullgraph=True`` (the rollout stays eager);
+   ``explain_step(step, state, batch)`` runs the rollout and inspects the core. Each
+   update goes through :func:`pimm_fn.steps.common.guarded_update`, as a supervised
+   step's does; ``grad_transform`` (the data-parallel all-reduce) applies there.
 
 The optimizer's own count advances P times per batch, so schedules count optimizer
 updates (size them ``batches * epochs * P``, as the seed does). The frozen reference
@@ -37,9 +42,9 @@ import torch
 from torch.func import functional_call
 
 from .. import rl
-from ..compile import Step, _rank_seed, compile_step, seeded_rng
+from ..compile import Step
 from ..amp import LossScaleConfig, as_autocast
-from ..state import RngKey, TrainState
+from ..state import TrainState
 from ..tree import tree_map
 from .common import applied_buffers, guarded_update
 
@@ -209,43 +214,43 @@ def _advantages(kind, rewards: torch.Tensor, mask: Optional[torch.Tensor], gamma
     return adv.reshape(-1)
 
 
-class GRPOStep:
+class GRPOStep(Step):
     """A GRPO step ``(state, batch) -> (state, metrics)``: host rollout + pure update core.
 
-    Attributes:
-        update: the pure core as a :class:`pimm_fn.compile.Step` over ``(state, rollout)``;
-            pass it to ``compile_step`` / ``explain_step``.
-        rollout(state, batch): the host phase alone (seed torch from ``state.rng`` first
-            to reproduce what a step would sample; :meth:`__call__` does that).
-    Build it with :func:`grpo`; ``step.compile(...)`` gives the same step with the update
-    compiled (``fullgraph=True``).
+    A :class:`pimm_fn.compile.Step` whose ``prepare`` is :meth:`rollout` and whose ``core``
+    is the update over ``(state, rollout)``; compile it with ``compile_step(step)``.
+    Build it with :func:`grpo`.
     """
 
     def __init__(self, *, sample, reward, group_size, log_prob, loss, policy_updates, microbatch_size,
                  weight_by, advantage, gamma, eps, kl, clip_grad, method, autocast=None,
-                 loss_scale: LossScaleConfig = LossScaleConfig(), update=None, name="grpo"):
+                 loss_scale: LossScaleConfig = LossScaleConfig(), grad_transform=None, name="grpo"):
         self.autocast, self.loss_scale = as_autocast(autocast), loss_scale
         self.sample, self.reward, self.group_size = sample, reward, group_size
         self.log_prob, self.loss = log_prob, loss
         self.policy_updates, self.microbatch_size, self.weight_by = policy_updates, microbatch_size, weight_by
         self.advantage, self.gamma, self.eps, self.kl = advantage, gamma, eps, kl
-        self.clip_grad, self.method, self.name = clip_grad, method, name
-        self.update = Step(self._core, name=f"{name}_update")
+        self.clip_grad, self.method, self.grad_transform = clip_grad, method, grad_transform
         self._wrapper: Optional[_Method] = None
-        self._update_fn = update if update is not None else self.update
+        super().__init__(self._core, name=name, prepare=self.rollout)
 
     def _policy(self, model, params, buffers, check=False) -> PolicyFn:
         w = self._wrapper
         if w is None or w.inner is not model:
             if torch.compiler.is_compiling():
-                raise RuntimeError("run step.rollout(state, batch) on the host before tracing the update core")
+                raise RuntimeError("the GRPO update core was traced without its rollout; compile the "
+                                   "whole step with compile_step(step): the rollout runs on the host first")
             w = self._wrapper = _Method(model, self.method)
         return PolicyFn(model, params, buffers, self.method, check=check, wrapped=w)
 
     # ------------------------------------------------------------------ host phase
 
     def rollout(self, state: TrainState, batch) -> Rollout:
-        """Sample (no grad), score and validate one rollout for ``batch``."""
+        """The step's ``prepare``: sample (no grad), score and validate one rollout for ``batch``.
+
+        A call runs it with torch's generator seeded from ``state.rng``; seed it the same
+        way (``pimm_fn.compile.seeded_rng``) to reproduce what a step samples.
+        """
         model = state.model
         if self.log_prob is categorical_log_prob and not callable(getattr(model, self.method, None)):
             raise TypeError(
@@ -356,7 +361,7 @@ class GRPOStep:
                 scales.append(scaler.scale)
             params, opt_state, finite, grad_norm, scaler = guarded_update(
                 state.tx, params, opt_state, grads, scaler=scaler, scaler_config=self.loss_scale,
-                clip_grad=self.clip_grad,
+                clip_grad=self.clip_grad, grad_transform=self.grad_transform,
             )
             buffers = applied_buffers(finite, buffers, before)
             m = rl.combine_microbatches(outs)
@@ -374,65 +379,13 @@ class GRPOStep:
             metrics[k] = v.detach().float().reshape(())
         if scales:
             metrics["loss_scale"] = scales[0]  # the scale the rollout's first update used
+        metrics.update(ro.metrics)  # the rollout's own metrics, unchanged
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, buffers=buffers,
                                   loss_scale=scaler)
         return new_state, metrics
 
-    # ------------------------------------------------------------------ the step
-
-    def __call__(self, state: TrainState, batch):
-        if torch.compiler.is_compiling():
-            raise RuntimeError(
-                "a GRPO step has a host rollout phase and cannot be compiled whole; use "
-                "step.compile() (compiles the update core) or compile_step(step.update)"
-            )
-        update_state, ro = self._host_phase(state, batch)
-        new_state, metrics = self._update_fn(update_state, ro)
-        metrics = {**metrics, **ro.metrics}
-        return new_state.replace(rng=state.rng.next(), cursor=state.cursor), metrics
-
-    def _host_phase(self, state: TrainState, batch):
-        """The rollout a call makes for ``(state, batch)`` and the state its update core gets."""
-        if not isinstance(state, TrainState):
-            raise TypeError(f"a step takes a TrainState as its first argument, got {type(state).__name__}")
-        with seeded_rng(_rank_seed(state.rng.step_seed())):
-            ro = self.rollout(state, batch)
-        # The update core gets its own key, split off this step's key, so randomness inside
-        # it (dropout) does not replay the sampling stream; the state keeps the parent key.
-        sub = RngKey(seed=state.rng.step_seed(), counter=0)
-        return state.replace(rng=sub), ro
-
-    def explain_inputs(self, state: TrainState, batch):
-        """``(update core, its state, its rollout)``: what ``explain_step`` traces for this step.
-
-        The rollout is host code (any Python) and is never compiled; the update core is,
-        so its graph breaks are the step's. Runs the rollout exactly as a call would.
-        """
-        update_state, ro = self._host_phase(state, batch)
-        return self.update, update_state, ro
-
-    def compile(self, **compile_kwargs) -> "GRPOStep":
-        """The same step with its update core compiled by ``compile_step`` (fullgraph).
-
-        compile_kwargs: as :func:`pimm_fn.compile.compile_step` (dynamic, mode, ...).
-        The returned step's ``compiled`` attribute is the CompiledStep (compile counts).
-        """
-        new = GRPOStep(**self._config(), update=None, name=self.name)
-        new.compiled = compile_step(new.update, **compile_kwargs)
-        new._update_fn = new.compiled
-        return new
-
-    def _config(self) -> dict:
-        return dict(sample=self.sample, reward=self.reward, group_size=self.group_size,
-                    log_prob=self.log_prob, loss=self.loss, policy_updates=self.policy_updates,
-                    microbatch_size=self.microbatch_size, weight_by=self.weight_by,
-                    advantage=self.advantage, gamma=self.gamma, eps=self.eps, kl=self.kl,
-                    clip_grad=self.clip_grad, method=self.method, autocast=self.autocast,
-                    loss_scale=self.loss_scale)
-
     def __repr__(self):
-        return (f"GRPOStep(G={self.group_size}, P={self.policy_updates}, M={self.microbatch_size}, "
-                f"compiled={self._update_fn is not self.update})")
+        return f"GRPOStep(G={self.group_size}, P={self.policy_updates}, M={self.microbatch_size})"
 
 
 def _copies(buffers: dict) -> dict:
@@ -476,6 +429,7 @@ def grpo(
     method: str = "log_probs",
     autocast=None,
     loss_scale: LossScaleConfig = LossScaleConfig(),
+    grad_transform: Optional[Callable[[dict], dict]] = None,
 ) -> GRPOStep:
     """Build a GRPO step (see the module docstring).
 
@@ -511,6 +465,10 @@ def grpo(
         (``TrainState.create(..., loss_scale=True)``; needed with float16): each policy
         update is one scaler step, as ``torch.amp.GradScaler`` counts them; an update with
         inf/NaN gradients is skipped and the scale backs off.
+    grad_transform: ``grads -> grads`` applied to each update's gradients before the finite
+        check and clipping (as for :func:`pimm_fn.steps.supervised`):
+        ``pimm_fn.distributed.grad_transform()`` averages them over ranks, and
+        ``distributed.wrap_step`` then reduces the metrics: GRPO data-parallel.
 
     The update passes run the policy in the module's own mode: in training mode its
     BatchNorm statistics move on with each forward and come back in the new state (kept
@@ -539,4 +497,5 @@ def grpo(
         weight_by="tokens" if reduction == "token" else "trajectories", advantage=advantage,
         gamma=float(gamma), eps=float(eps), kl=not (isinstance(kl_coef, (int, float)) and kl_coef == 0),
         clip_grad=clip_grad, method=method, autocast=autocast, loss_scale=loss_scale,
+        grad_transform=grad_transform,
     )
