@@ -38,7 +38,8 @@ from .amp import LossScaleConfig, as_autocast, unscale_factor, update_loss_scale
 from .compile import Step
 from .optim.base import apply_updates
 from .state import TrainState
-from .steps.common import applied_buffers, check_labels, forward_backward, point_batch_stats, scalar_metrics
+from .optim.transforms import clip_to_norm
+from .steps.common import applied_buffers, check_clip_grad, check_labels, forward_backward, point_batch_stats, scalar_metrics
 from .tree import NAMESPACE, all_finite, global_norm, tree_map, tree_where
 
 __all__ = ["ShardingError", "shard", "unshard", "is_sharded", "sharded", "save", "restore", "shard_len",
@@ -206,6 +207,7 @@ def sharded(ctx: Optional[D.DistContext] = None, *, clip_grad: Optional[float] =
     Compile it with :func:`pimm_fn.compile.compile_step` (fullgraph, collectives inside).
     """
     ctx = D.world() if ctx is None else ctx
+    clip_grad = check_clip_grad(clip_grad)
     policy = as_autocast(autocast)
     rank, world = ctx.rank, ctx.world_size
 
@@ -232,8 +234,7 @@ def sharded(ctx: Optional[D.DistContext] = None, *, clip_grad: Optional[float] =
             grad_norm = global_norm(grads)
             local = {k: _piece(g, rank, world) for k, g in grads.items()}
         if clip_grad is not None:
-            coef = torch.clamp(clip_grad / (grad_norm + 1e-6), max=1.0)
-            local = tree_map(lambda g: g * coef, local)
+            local = clip_to_norm(local, grad_norm, clip_grad)
         updates, new_opt = state.tx.update(local, state.opt_state, state.params)
         params = tree_where(finite, apply_updates(state.params, updates), state.params)
         opt_state = tree_where(finite, new_opt, state.opt_state)

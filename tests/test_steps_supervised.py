@@ -347,3 +347,16 @@ def test_skipped_step_leaves_every_buffer_as_before(mode, momentum, compiled_ada
     # (a skipped step that advanced the count would weight the second batch 1/3, not 1/2)
     torch.testing.assert_close(state.buffers["bn.running_mean"], reference.running_mean, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(state.buffers["bn.running_var"], reference.running_var, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), True])
+def test_clip_grad_must_be_a_positive_norm(bad):
+    """A clip of 0 would silently zero every update; each step builder refuses it."""
+    from pimm_fn.sharding import sharded
+    from pimm_fn.steps.grpo import grpo
+    with pytest.raises(ValueError, match="clip_grad must be a max gradient norm > 0"):
+        supervised(clip_grad=bad)
+    with pytest.raises(ValueError, match="clip_grad must be a max gradient norm > 0"):
+        sharded(clip_grad=bad)
+    with pytest.raises(ValueError, match="clip_grad must be a max gradient norm > 0"):
+        grpo(sample=lambda policy, batch, g: None, reward=lambda *a: None, group_size=2, clip_grad=bad)

@@ -112,6 +112,16 @@ def applied_buffers(applied: torch.Tensor, new: dict, old: dict) -> dict:
     return {k: torch.where(applied & torch.isfinite(new[k]).all(), new[k], old[k]) for k in new}
 
 
+def check_clip_grad(clip_grad: Optional[float]) -> Optional[float]:
+    """``clip_grad`` as a float, or None; refuses 0, negatives and NaN when the step is
+    built (a clip of 0 would zero every update without a word)."""
+    if clip_grad is None:
+        return None
+    if isinstance(clip_grad, bool) or not float(clip_grad) > 0:
+        raise ValueError(f"clip_grad must be a max gradient norm > 0 or None (no clipping), got {clip_grad!r}")
+    return float(clip_grad)
+
+
 def guarded_update(tx, params: dict, opt_state, grads: dict, *, loss: Optional[torch.Tensor] = None,
                    scaler=None, scaler_config: LossScaleConfig = LossScaleConfig(),
                    clip_grad: Optional[float] = None, grad_transform: Optional[Callable] = None):

@@ -46,7 +46,7 @@ from ..compile import Step
 from ..amp import LossScaleConfig, as_autocast
 from ..state import TrainState
 from ..tree import tree_map
-from .common import applied_buffers, guarded_update
+from .common import applied_buffers, check_clip_grad, guarded_update
 
 __all__ = [
     "Rollout",
@@ -487,6 +487,7 @@ def grpo(
     if not callable(advantage) and advantage not in _ADVANTAGES:
         raise ValueError(f"advantage must be one of {_ADVANTAGES} or a callable, got {advantage!r}")
     rl._check_reduction(reduction, max_length)
+    clip_grad = check_clip_grad(clip_grad)
     if not callable(sample):
         raise TypeError("sample must be a function sample(policy, batch, group_size) -> Rollout")
     if loss is None:

@@ -12,7 +12,7 @@ import torch
 from ..amp import LossScaleConfig, as_autocast
 from ..compile import Step
 from .common import (
-    applied_buffers, check_labels, forward_backward, guarded_update, point_batch_stats, scalar_metrics, weighted_sum,
+    applied_buffers, check_clip_grad, check_labels, forward_backward, guarded_update, point_batch_stats, scalar_metrics, weighted_sum,
 )
 
 GradTransform = Callable[[dict], dict]
@@ -53,6 +53,7 @@ def supervised(
         raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
     if accumulate < 1:
         raise ValueError(f"accumulate must be >= 1, got {accumulate}")
+    clip_grad = check_clip_grad(clip_grad)
     policy = as_autocast(autocast)
 
     def supervised_step(state, batch):
