@@ -40,7 +40,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import attrs
 import torch
 
-from .compile import CompiledStep, Step, as_step, compile_step, explain_step
+from .compile import CompiledStep, as_step, compile_step, explain_step
 
 __all__ = ["BenchResult", "Workload", "benchmark_step", "bench_main", "graph_breaks", "machine_info",
            "measure_compile_cache", "batch_size"]
