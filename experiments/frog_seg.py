@@ -82,7 +82,7 @@ def transform(s: dict, mode: str):
 
 
 def evaluate(state: TrainState, loader) -> dict:
-    """mIoU (all 16 classes), mIoU_present, mAcc, allAcc over every original validation point."""
+    """mIoU and mAcc (all 16 classes), mIoU_present and mAcc_present, allAcc over every original validation point."""
     inter = union = target = 0
     for batch in loader.iter_epoch(0, 0):
         out = eval_forward(state, {k: batch[k] for k in _INPUT_KEYS})
@@ -92,8 +92,9 @@ def evaluate(state: TrainState, loader) -> dict:
     scores = segmentation_scores(inter, union, target, CLASS_NAMES)
     present = target > 0
     iou = inter.double() / (union.double() + 1e-10)
+    acc = inter.double() / (target.double() + 1e-10)
     return {"mIoU": scores["mIoU"], "mIoU_present": float(iou[present].mean()),
-            "mAcc": scores["mAcc"], "allAcc": scores["allAcc"]}
+            "mAcc": scores["mAcc"], "mAcc_present": float(acc[present].mean()), "allAcc": scores["allAcc"]}
 
 
 def render(state: TrainState, loader, png) -> None:
