@@ -15,6 +15,24 @@ the 7 validation blocks count as 0 and cap ``mIoU`` at 11/16), plus ``mIoU_prese
 the mean over the classes that occur in the validation blocks.
 
     pimm-fn train frog_seg [--set epochs=20 --set grid_size=2.0 ...]
+
+Status (issue 15, not met): the bar is validation mIoU >= 3x the majority-class
+predictor's and mAcc >= 0.5. Majority class (12, 84.3% of validation points): mIoU 0.0527
+(over 16 classes), mIoU_present 0.0766, mAcc 0.0625, allAcc 0.843. Measured, one run each,
+OMP_NUM_THREADS=1, load 1.2-3.3:
+
+- defaults (20 epochs, 280 steps, sqrt-inverse-frequency weights): mIoU 0.090,
+  mIoU_present 0.131, mAcc 0.152, allAcc 0.832; 189 s wall, ~70 s of it compiling.
+  Training batches reach acc ~0.6-0.8 while validation stays near the majority class:
+  under-trained is not the whole story, it generalises poorly across xy columns.
+- ``--set epochs=150``: mIoU 0.058-0.096 at evals up to step 1260 (killed there), no trend
+  up after step 1050: more steps alone do not reach the bar.
+- ``--set epochs=60 --set class_weight_power=1.0`` (full inverse frequency): mIoU 0.068,
+  mAcc 0.131, mAcc_present 0.190, allAcc 0.511; 191 s: it trades allAcc for little mAcc.
+
+Not tried yet (next suspects): dropping the absolute ``position`` features (29 training
+columns let it memorise where tissues are; validation columns lie elsewhere), a finer
+``grid_size``, a wider net.
 """
 from __future__ import annotations
 
