@@ -30,9 +30,12 @@ OMP_NUM_THREADS=1, load 1.2-3.3:
 - ``--set epochs=60 --set class_weight_power=1.0`` (full inverse frequency): mIoU 0.068,
   mAcc 0.131, mAcc_present 0.190, allAcc 0.511; 191 s: it trades allAcc for little mAcc.
 
-Not tried yet (next suspects): dropping the absolute ``position`` features (29 training
-columns let it memorise where tissues are; validation columns lie elsewhere), a finer
-``grid_size``, a wider net.
+- without the ``position`` features (local coordinates only, in_channels 3; a temporary
+  copy of this file, 20 epochs): mIoU 0.057, mAcc_present 0.099, allAcc 0.839: back to the
+  majority class, so position is what the net learns from now.
+
+Not tried yet (next suspects): a finer ``grid_size``, a wider net, lr, class-balanced
+block sampling.
 """
 from __future__ import annotations
 
