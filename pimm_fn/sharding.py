@@ -39,7 +39,9 @@ from .compile import Step
 from .optim.base import apply_updates
 from .state import TrainState
 from .optim.transforms import clip_to_norm
-from .steps.common import applied_buffers, check_clip_grad, check_labels, forward_backward, point_batch_stats, scalar_metrics
+from .steps.common import (
+    applied_buffers, check_clip_grad, check_labels, forward_backward, point_batch_stats, update_metrics,
+)
 from .tree import NAMESPACE, all_finite, global_norm, tree_map, tree_where
 
 __all__ = ["ShardingError", "shard", "unshard", "is_sharded", "sharded", "save", "restore", "shard_len",
@@ -238,15 +240,7 @@ def sharded(ctx: Optional[D.DistContext] = None, *, clip_grad: Optional[float] =
         updates, new_opt = state.tx.update(local, state.opt_state, state.params)
         params = tree_where(finite, apply_updates(state.params, updates), state.params)
         opt_state = tree_where(finite, new_opt, state.opt_state)
-        metrics = scalar_metrics(out, skip=(loss_key,))
-        metrics["loss"] = loss
-        if state.tx.hyperparams is not None:
-            for k, v in state.tx.hyperparams(state.opt_state).items():
-                metrics[k] = v.detach().float().reshape(())
-        metrics["grad_norm"] = grad_norm
-        metrics["skipped"] = (~finite).float()
-        if scaler is not None:
-            metrics["loss_scale"] = scaler.scale
+        metrics = update_metrics(out, loss, state.tx, state.opt_state, grad_norm, finite, scaler, loss_key)
         metrics.update(point_batch_stats(batch))
         new_state = state.replace(
             step=state.step + 1, params=params, opt_state=opt_state,

@@ -93,6 +93,23 @@ def scalar_metrics(out: dict, skip: Sequence[str] = ()) -> dict:
     return metrics
 
 
+def update_metrics(out: dict, loss: torch.Tensor, tx, opt_state, grad_norm: torch.Tensor,
+                   finite: torch.Tensor, scaler=None, loss_key: str = "loss") -> dict:
+    """The metrics every gradient step reports: the model's scalars, ``loss``, the
+    optimizer's hyperparameters (lr, ...), ``grad_norm``, ``skipped`` and, with a loss
+    scaler, ``loss_scale``."""
+    metrics = scalar_metrics(out, skip=(loss_key,))
+    metrics["loss"] = loss
+    if tx.hyperparams is not None:
+        for k, v in tx.hyperparams(opt_state).items():
+            metrics[k] = v.detach().float().reshape(())
+    metrics["grad_norm"] = grad_norm
+    metrics["skipped"] = (~finite).float()
+    if scaler is not None:
+        metrics["loss_scale"] = scaler.scale
+    return metrics
+
+
 def point_batch_stats(batch) -> dict:
     """``avg_pts`` (points per cloud) for a point batch with an ``offset`` entry."""
     if isinstance(batch, dict) and isinstance(batch.get("offset"), torch.Tensor) and batch["offset"].numel() > 0:

@@ -12,7 +12,7 @@ import torch
 from ..amp import LossScaleConfig, as_autocast
 from ..compile import Step
 from .common import (
-    applied_buffers, check_clip_grad, check_labels, forward_backward, guarded_update, point_batch_stats, scalar_metrics, weighted_sum,
+    applied_buffers, check_clip_grad, check_labels, forward_backward, guarded_update, point_batch_stats, update_metrics, weighted_sum,
 )
 
 GradTransform = Callable[[dict], dict]
@@ -74,15 +74,7 @@ def supervised(
             clip_grad=clip_grad, grad_transform=grad_transform,
         )
 
-        metrics = scalar_metrics(outs[-1], skip=(loss_key,))
-        metrics["loss"] = loss
-        if state.tx.hyperparams is not None:
-            for k, v in state.tx.hyperparams(state.opt_state).items():
-                metrics[k] = v.detach().float().reshape(())
-        metrics["grad_norm"] = grad_norm
-        metrics["skipped"] = (~finite).float()
-        if scaler is not None:
-            metrics["loss_scale"] = scaler.scale
+        metrics = update_metrics(outs[-1], loss, state.tx, state.opt_state, grad_norm, finite, scaler, loss_key)
         for mb in micro[:1]:
             metrics.update(point_batch_stats(mb))
         new_state = state.replace(
