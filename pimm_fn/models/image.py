@@ -24,7 +24,7 @@ class ImageClassifier(nn.Module):
             ``convolution_backward`` reads to the layout eager would give it, so on NCHW
             input every ReLU output was stored three times (one NCHW copy for the ReLU
             backward, two channels-last copies for the next convolution and its backward)
-            and the step ran 1.3x slower than on channels-last input (benchmarks/README.md).
+            and the step ran 1.15-1.26x slower than on channels-last input (benchmarks/README.md).
             Values are the same up to float rounding.
     Global average pooling makes the net accept any H, W (at least 2**(depth-1)).
     """
