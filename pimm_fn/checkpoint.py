@@ -35,12 +35,10 @@ is durable, so a SIGKILL at any moment leaves a restorable ``latest()``.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import pickle
 import re
-import secrets
 import shutil
 import struct
 import sys
@@ -51,6 +49,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import optree
 import torch
 
+from .atomic import TMP_RE, atomic_replace, atomic_write
 from .state import TrainState
 from .tree import NAMESPACE
 
@@ -172,47 +171,6 @@ def _tensor_bytes(t: torch.Tensor, key: str) -> torch.Tensor:
     if t.device.type != "cpu":
         t = t.cpu()
     return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _fsync_dir(folder: Path) -> None:
-    # Makes the rename itself durable; a platform that cannot open folders skips it.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _tmp_name(final: Path) -> Path:
-    # Hidden, pid-tagged, in the same folder (os.replace is atomic only within one
-    # filesystem); the pid lets CheckpointDir remove leftovers of dead writers.
-    return final.parent / f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-
-
-_TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp$")
-
-
-def _atomic_write(final: Path, write: Callable[[io.BufferedWriter], None]) -> None:
-    """Write ``final`` through a temp file: write, flush, fsync, replace, fsync folder."""
-    tmp = _tmp_name(final)
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    _fsync_dir(final.parent)
 
 
 def _encode_extra(obj, tensors: list, where: str = "extra"):
@@ -355,7 +313,7 @@ def save(path: Union[str, os.PathLike], state: TrainState, extra: Any = None) ->
             if blob.numel():
                 f.write(memoryview(blob.numpy()))
 
-    _atomic_write(path, write)
+    atomic_write(path, write)
     return path
 
 
@@ -676,37 +634,29 @@ class CheckpointDir:
         if best:
             self._set_best(target)
         # The pointer moves only now: target is complete and fsynced.
-        _atomic_write(self.root / self.LATEST, lambda f: f.write((target.name + "\n").encode()))
+        atomic_write(self.root / self.LATEST, lambda f: f.write((target.name + "\n").encode()))
         keep = self.keep_last if keep_last is None else keep_last
         if keep is not None:
             self.prune(keep)
         return target
 
     def _set_best(self, target: Path) -> None:
-        best = self.root / self.BEST
-        tmp = _tmp_name(best)
-        try:
+        def link_or_copy(tmp: Path) -> None:
             try:
                 os.link(target, tmp)  # same inode: no extra disk, survives pruning of target
             except OSError:
                 shutil.copyfile(target, tmp)
                 with open(tmp, "rb+") as f:
                     os.fsync(f.fileno())
-            os.replace(tmp, best)
-        except BaseException:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
-            raise
-        _fsync_dir(self.root)
+
+        atomic_replace(self.root / self.BEST, link_or_copy)
 
     def _remove_dead_tmp(self) -> None:
         """Delete temp files left by writers that are no longer running (e.g. SIGKILLed)."""
         if not self.root.is_dir():
             return
         for p in self.root.iterdir():
-            m = _TMP_RE.match(p.name)
+            m = TMP_RE.match(p.name)
             if m and not _pid_alive(int(m.group("pid"))):
                 try:
                     p.unlink()

@@ -20,6 +20,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..atomic import atomic_write
 from .fetch import data_root, require
 
 # --------------------------------------------------------------------------- helpers
@@ -204,10 +205,10 @@ def frog_voxels(root: Optional[os.PathLike] = None) -> dict:
     if not npz.is_file():
         vol, meta = read_vti(vti)
         k, j, i = np.nonzero(vol)
-        tmp = npz.with_name("frog_voxels.part.npz")
-        np.savez(tmp, ijk=np.stack([i, j, k], 1).astype(np.int16), label=vol[k, j, i],
-                 spacing=np.asarray(meta["spacing"]))
-        os.replace(tmp, npz)
+        # a per-process temp name: two ranks parsing at once no longer write one ".part" file
+        atomic_write(npz, lambda f: np.savez(f, ijk=np.stack([i, j, k], 1).astype(np.int16),
+                                             label=vol[k, j, i], spacing=np.asarray(meta["spacing"])),
+                     durable=False)
     with np.load(npz) as z:
         return {k: z[k] for k in z.files}
 

@@ -25,6 +25,8 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
+from ...atomic import atomic_write
+
 # name -> (requirement, extra pip args, member suffix inside the archive, cached file name)
 SOURCES = {
     "lidar": ("laspy=={laspy}", ["--no-binary", ":all:"],
@@ -97,19 +99,19 @@ def fetch(name: str, root: Optional[os.PathLike] = None, force: bool = False) ->
         archives = [p for p in Path(tmp).iterdir() if p.is_file()]
         if not archives:
             raise RuntimeError(f"pip download of {requirement} produced no file")
-        partial = target.with_suffix(target.suffix + ".part")
-        _extract(archives[0], member, partial)
-        os.replace(partial, target)  # atomic: a killed fetch never leaves a truncated file
+        # atomic: a killed fetch never leaves a truncated file
+        atomic_write(target, lambda out: _extract(archives[0], member, out))
     return target
 
 
-def _extract(archive: Path, member: str, dest: Path) -> None:
+def _extract(archive: Path, member: str, out) -> None:
+    """Copy ``member`` of a wheel / zip / tar archive into the open binary file ``out``."""
     if archive.name.endswith((".whl", ".zip")):
         with zipfile.ZipFile(archive) as z:
             names = [n for n in z.namelist() if n.endswith(member)]
             if not names:
                 raise RuntimeError(f"{member} not in {archive.name}")
-            with z.open(names[0]) as src, open(dest, "wb") as out:
+            with z.open(names[0]) as src:
                 shutil.copyfileobj(src, out)
     else:
         with tarfile.open(archive) as tar:
@@ -117,5 +119,5 @@ def _extract(archive: Path, member: str, dest: Path) -> None:
             if not names:
                 raise RuntimeError(f"{member} not in {archive.name}")
             src = tar.extractfile(names[0])
-            with src, open(dest, "wb") as out:
+            with src:
                 shutil.copyfileobj(src, out)
