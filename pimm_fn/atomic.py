@@ -12,7 +12,7 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 __all__ = ["atomic_replace", "atomic_write", "fsync_dir", "tmp_name", "TMP_RE"]
 
@@ -39,11 +39,15 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def atomic_replace(final: os.PathLike, fill: Callable[[Path], None], *, durable: bool = True) -> Path:
+def atomic_replace(final: os.PathLike, fill: Callable[[Path], None], *, durable: bool = True,
+                   sync_dir: Optional[bool] = None) -> Path:
     """Put a new ``final`` in place atomically: ``fill(tmp)`` creates the complete file at a
     temp path (writes it, hard-links or copies it there), then it is renamed over
     ``final`` and the folder fsynced. On any error (or interrupt) the temp file is removed
-    and ``final`` is untouched. Returns ``final``."""
+    and ``final`` is untouched. Returns ``final``.
+
+    sync_dir: fsync the folder after the rename (default: ``durable``); False lets a caller
+    that renames several files in one folder fsync it once, with :func:`fsync_dir`."""
     final = Path(final)
     tmp = tmp_name(final)
     try:
@@ -55,14 +59,16 @@ def atomic_replace(final: os.PathLike, fill: Callable[[Path], None], *, durable:
         except OSError:
             pass
         raise
-    if durable:
+    if durable if sync_dir is None else sync_dir:
         fsync_dir(final.parent)
     return final
 
 
-def atomic_write(final: os.PathLike, write: Callable[[io.BufferedWriter], None], *, durable: bool = True) -> Path:
+def atomic_write(final: os.PathLike, write: Callable[[io.BufferedWriter], None], *, durable: bool = True,
+                 sync_dir: Optional[bool] = None) -> Path:
     """:func:`atomic_replace` of a file written by ``write(f)``: flushed and fsynced before
-    the rename. durable=False skips the fsyncs (a cache that can be rebuilt)."""
+    the rename. durable=False skips the fsyncs (a cache that can be rebuilt); sync_dir as
+    in :func:`atomic_replace`."""
 
     def fill(tmp: Path) -> None:
         with open(tmp, "wb") as f:
@@ -71,4 +77,4 @@ def atomic_write(final: os.PathLike, write: Callable[[io.BufferedWriter], None],
             if durable:
                 os.fsync(f.fileno())
 
-    return atomic_replace(final, fill, durable=durable)
+    return atomic_replace(final, fill, durable=durable, sync_dir=sync_dir)

@@ -49,7 +49,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 import optree
 import torch
 
-from .atomic import TMP_RE, atomic_replace, atomic_write
+from .atomic import TMP_RE, atomic_replace, atomic_write, fsync_dir
 from .state import TrainState
 from .tree import NAMESPACE
 
@@ -242,7 +242,7 @@ def _refuse_pieces(state: TrainState) -> None:
                 "rank and writes them once; fit's Checkpoint callback does not gather")
 
 
-def save(path: Union[str, os.PathLike], state: TrainState, extra: Any = None) -> Path:
+def save(path: Union[str, os.PathLike], state: TrainState, extra: Any = None, *, sync_dir: bool = True) -> Path:
     """Write ``state`` (every leaf) and ``extra`` to one checkpoint file, atomically.
 
     path: the file to write; its folder is created. An existing file is replaced only
@@ -250,6 +250,7 @@ def save(path: Union[str, os.PathLike], state: TrainState, extra: Any = None) ->
     state: the TrainState; model and tx are static and not saved.
     extra: None, or a JSON-able value that may contain tensors anywhere (best metric,
         a torchdata loader ``state_dict``, ...). Restored as saved, tensors on the CPU.
+    sync_dir: fsync the folder after the rename (False: the caller does, once for several files).
     Returns the path written.
     """
     if sys.byteorder != "little":
@@ -313,7 +314,7 @@ def save(path: Union[str, os.PathLike], state: TrainState, extra: Any = None) ->
             if blob.numel():
                 f.write(memoryview(blob.numpy()))
 
-    atomic_write(path, write)
+    atomic_write(path, write, sync_dir=sync_dir)
     return path
 
 
@@ -630,11 +631,15 @@ class CheckpointDir:
                 raise ValueError(f"{target.name!r} is reserved by CheckpointDir; pick another name")
         else:
             target = self.path_for(int(state.step) if step is None else step)
-        save(target, state, extra)
+        save(target, state, extra, sync_dir=False)
         if best:
             self._set_best(target)
-        # The pointer moves only now: target is complete and fsynced.
-        atomic_write(self.root / self.LATEST, lambda f: f.write((target.name + "\n").encode()))
+        # The pointer moves only now: target's bytes are fsynced. The renames then reach the
+        # disk with one folder fsync. The pointer's own bytes are not fsynced: after a power
+        # loss it names the old file or the new one, or reads empty, and latest() then takes
+        # the newest complete file; it never names a torn file (latest() checks framing).
+        atomic_write(self.root / self.LATEST, lambda f: f.write((target.name + "\n").encode()), durable=False)
+        fsync_dir(self.root)
         keep = self.keep_last if keep_last is None else keep_last
         if keep is not None:
             self.prune(keep)
@@ -649,7 +654,7 @@ class CheckpointDir:
                 with open(tmp, "rb+") as f:
                     os.fsync(f.fileno())
 
-        atomic_replace(self.root / self.BEST, link_or_copy)
+        atomic_replace(self.root / self.BEST, link_or_copy, sync_dir=False)  # save() fsyncs the folder
 
     def _remove_dead_tmp(self) -> None:
         """Delete temp files left by writers that are no longer running (e.g. SIGKILLed)."""

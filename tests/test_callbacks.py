@@ -54,6 +54,43 @@ def test_tensorboard_tags_read_back(data, tmp_path):
         [e["loss"] for e in res.history.epoch_averages()], rel=1e-6)
 
 
+def test_event_encoding_equals_the_proto():
+    """The block writer's hand-encoded events are the bytes protobuf itself writes."""
+    import math
+
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.proto.summary_pb2 import Summary
+
+    from pimm_fn.callbacks.event_file import ScalarEvents
+
+    tags = ("train_batch/loss", "params/lr", "x" * 200, "train_batch/ünï")
+    enc = ScalarEvents(tags)
+    for step, values in [(0, [0.0, 1e-3, -2.5, 7.0]), (1, [math.inf, -math.inf, 3.4e38, 1e-45]),
+                         (2**40 + 3, [1.0, 2.0, 3.0, 4.0]), (127, [0.1, 0.2, 0.3, 0.4]), (128, [1, 0, 1, 0])]:
+        want = Event(step=step, wall_time=1764789600.125, summary=Summary(value=[
+            Summary.Value(tag=t, simple_value=v) for t, v in zip(tags, values)])).SerializeToString()
+        assert enc.encode(step, 1764789600.125, values) == want
+    nan = Event.FromString(enc.encode(5, 0.0, [math.nan] * 4))
+    assert nan.step == 5 and all(math.isnan(v.simple_value) for v in nan.summary.value)
+    assert enc.encode(1, 0.0, [1e40, 0, 0, 0]) is None  # past float32: the caller uses the proto
+    assert enc.encode(-1, 0.0, [0, 0, 0, 0]) is None
+
+
+def test_tensorboard_huge_and_bool_values_read_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = TensorBoard(tmp_path, sync_every=2)
+    tb._rows = [(1, {"loss": torch.tensor(1e40, dtype=torch.float64), "skipped": torch.tensor(True)}),
+                (2, {"loss": torch.tensor(0.5), "skipped": torch.tensor(False), "n": 3})]
+    tb.drain()
+    tb._close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [s.value for s in acc.Scalars("train_batch/loss")] == [float("inf"), 0.5]
+    assert [s.value for s in acc.Scalars("train_batch/skipped")] == [1.0, 0.0]
+    assert [(s.step, s.value) for s in acc.Scalars("train_batch/n")] == [(2, 3.0)]
+
+
 def test_tensorboard_every_n_steps(data, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -342,7 +342,9 @@ def test_latest_falls_back_and_ignores_tmp(tmp_path):
     data = (tmp_path / "step_2.ckpt").read_bytes()
     (tmp_path / "step_2.ckpt").write_bytes(data[: len(data) // 2])
     assert d.latest().name == "step_1.ckpt"
-    # pointer missing -> scan
+    # pointer empty (its bytes never reached the disk) or missing -> scan
+    (tmp_path / "latest").write_bytes(b"")
+    assert d.latest().name == "step_1.ckpt"
     (tmp_path / "latest").unlink()
     assert d.latest().name == "step_1.ckpt"
     assert all(not p.name.endswith(".tmp") for p in d.checkpoints())
@@ -352,7 +354,10 @@ def test_latest_falls_back_and_ignores_tmp(tmp_path):
 
 
 def test_write_order_is_durable(tmp_path, monkeypatch):
-    """fsync(file) before rename, fsync(dir) after, and the pointer only after that."""
+    """fsync(file) before its rename, the pointer renamed only after that, one fsync(dir) for both.
+
+    The pointer's bytes are not fsynced: after a power loss it may read empty, and latest()
+    then takes the newest complete file (test_latest_falls_back_and_ignores_tmp)."""
     events = []
     real_fsync, real_replace = os.fsync, os.replace
 
@@ -371,8 +376,6 @@ def test_write_order_is_durable(tmp_path, monkeypatch):
     assert events == [
         ("fsync", "file"),
         ("replace", "step_3.ckpt"),
-        ("fsync", "dir"),
-        ("fsync", "file"),
         ("replace", "latest"),
         ("fsync", "dir"),
     ]
