@@ -102,12 +102,13 @@ class EventFile:
         """Append serialized events, one ``write`` for all of them."""
         self._f.write(b"".join(map(record, events)))
 
-    def flush(self) -> None:
-        """To the disk (flushed and fsynced)."""
+    def flush(self, durable: bool = False) -> None:
+        """To the operating system (a SIGKILL loses nothing after this); durable: to the disk."""
         self._f.flush()
-        os.fsync(self._f.fileno())
+        if durable:
+            os.fsync(self._f.fileno())
 
     def close(self) -> None:
         if not self._f.closed:
-            self.flush()
+            self.flush(durable=True)
             self._f.close()

@@ -147,8 +147,11 @@ class _Buffered(Callback):
                                  if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)})
 
     def on_save_requested(self, event, state):
-        # Everything up to this step reaches the disk before the checkpoint does (Checkpoint
-        # runs last): after a crash, the resumed run rewrites only steps after the checkpoint.
+        # Everything up to this step reaches the file before the checkpoint is written
+        # (Checkpoint runs last): after a SIGKILL the resumed run rewrites only steps after
+        # the checkpoint. Flushed to the OS, not fsynced (the fsync is at close): an fsync
+        # per checkpoint would block the training thread; a power loss can cost the last
+        # logged steps before the checkpoint, never the checkpoint.
         self.drain()
         self._flush()
 
