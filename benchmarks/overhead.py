@@ -14,6 +14,9 @@
    median over rounds of each way's time divided by the bare loop's time in the same
    round. What a run pays once (opening files and bars, waiting for its last checkpoint
    write) is measured apart, from one-step runs, and printed beside it.
+3. Engine work: the same ways over a host step that hands back the compiled step's metrics
+   without running kernels, in process CPU time: what fit and each callback cost per step,
+   steady under load where the wall-time ratios of 2. are not.
 
     python benchmarks/overhead.py                  # table + benchmarks/results/overhead.json
     python benchmarks/overhead.py --quick          # fewer rounds
@@ -121,29 +124,27 @@ def _mlp_setup(steps_per_epoch: int, total_epochs: int):
     return state, loader
 
 
-def fit_overhead(rounds: int, steps_per_epoch: int, epochs: int) -> dict:
-    """fit's per-step cost with each callback alone and all together, vs a bare loop."""
-    state0, loader = _mlp_setup(steps_per_epoch, epochs * (rounds + 2))
-    step = compile_step(steps.supervised(clip_grad=1.0))
+def _callbacks(way: str, root: str, devnull) -> list:
+    """The callbacks of one way, writing under ``root``."""
+    made = {
+        "progress": lambda: ProgressBar(file=devnull),
+        "tensorboard": lambda: TensorBoard(os.path.join(root, "tb"), every_steps=1),
+        "checkpoint": lambda: Checkpoint(os.path.join(root, "ckpt"), every_epochs=1, keep_last=2),
+        "checkpoint_fg": lambda: Checkpoint(os.path.join(root, "ckpt"), every_epochs=1, keep_last=2,
+                                            background=False),
+    }
+    if way == "fit":
+        return []
+    if way == "fit+all":
+        return [made[k]() for k in ("progress", "tensorboard", "checkpoint")]
+    return [made[way.split("+")[1]]()]
+
+
+def _fold(step, state0, loader, rounds: int, epochs: int, clock) -> dict:
+    """Every way of FIT_WAYS over ``step``: ``clock`` seconds per round, the order rotating."""
     tmp = tempfile.TemporaryDirectory(prefix="pimm_fn_overhead_")
     devnull = open(os.devnull, "w")
-
-    def callbacks(way: str) -> list:
-        root = os.path.join(tmp.name, way.replace("+", "_"))
-        made = {
-            "progress": lambda: ProgressBar(file=devnull),
-            "tensorboard": lambda: TensorBoard(os.path.join(root, "tb"), every_steps=1),
-            "checkpoint": lambda: Checkpoint(os.path.join(root, "ckpt"), every_epochs=1, keep_last=2),
-            "checkpoint_fg": lambda: Checkpoint(os.path.join(root, "ckpt"), every_epochs=1, keep_last=2,
-                                                background=False),
-        }
-        if way == "fit":
-            return []
-        if way == "fit+all":
-            return [made[k]() for k in ("progress", "tensorboard", "checkpoint")]
-        return [made[way.split("+")[1]]()]
-
-    cbs = {w: callbacks(w) for w in FIT_WAYS if w != "bare_loop"}
+    cbs = {w: _callbacks(w, os.path.join(tmp.name, w.replace("+", "_")), devnull) for w in FIT_WAYS if w != "bare_loop"}
     states = {w: state0 for w in FIT_WAYS}
 
     def bare(state):
@@ -164,23 +165,32 @@ def fit_overhead(rounds: int, steps_per_epoch: int, epochs: int) -> dict:
     for r in range(rounds):
         k = r % len(FIT_WAYS)
         for w in FIT_WAYS[k:] + FIT_WAYS[:k]:
-            t0 = time.perf_counter()
+            t0 = clock()
             states[w] = runs[w](states[w])
-            seconds[w].append(time.perf_counter() - t0)
+            seconds[w].append(clock() - t0)
     # What a run pays once, whatever its length (open the event file and the bars, wait for
     # the last checkpoint write): a one-step, one-epoch call minus one bare step.
     one = loader[:1]
     fixed = {w: [] for w in FIT_WAYS}
     for r in range(rounds):
         for w in FIT_WAYS:
-            t0 = time.perf_counter()
+            t0 = clock()
             if w == "bare_loop":
                 states[w] = step(states[w], one[0])[0]
             else:
                 states[w] = fit(states[w], one, step, epochs=states[w].cursor.epoch + 1, callbacks=cbs[w]).state
-            fixed[w].append(time.perf_counter() - t0)
+            fixed[w].append(clock() - t0)
     devnull.close()
     tmp.cleanup()
+    return {"seconds": seconds, "fixed": fixed}
+
+
+def fit_overhead(rounds: int, steps_per_epoch: int, epochs: int) -> dict:
+    """fit's per-step cost with each callback alone and all together, vs a bare loop (wall time)."""
+    state0, loader = _mlp_setup(steps_per_epoch, epochs * (rounds + 2))
+    step = compile_step(steps.supervised(clip_grad=1.0))
+    out = _fold(step, state0, loader, rounds, epochs, time.perf_counter)
+    seconds, fixed = out["seconds"], out["fixed"]
     n = steps_per_epoch * epochs
     ratios = {w: [s / b for s, b in zip(seconds[w], seconds["bare_loop"])] for w in FIT_WAYS}
     return {
@@ -193,6 +203,27 @@ def fit_overhead(rounds: int, steps_per_epoch: int, epochs: int) -> dict:
                        for w in FIT_WAYS},
         "compile_count": step.compile_count,
     }
+
+
+def engine_cpu(rounds: int, steps_per_epoch: int, epochs: int) -> dict:
+    """The engine's own work per step, without the step: the same ways over a host step that
+    returns the compiled step's metrics unchanged (no kernels), in process CPU time (every
+    thread, the checkpoint writer's included). Unlike wall-time ratios on a shared machine,
+    this is steady under load: it says what fit and the callbacks cost, not what a busy
+    neighbour did."""
+    state0, loader = _mlp_setup(steps_per_epoch, epochs * (rounds + 2))
+    compiled = compile_step(steps.supervised(clip_grad=1.0))
+    real_state, metrics = compiled(state0, loader[0])
+
+    def host_step(state, batch):
+        return state, dict(metrics)  # a fresh dict of the same 0-dim tensors, as a step returns
+
+    out = _fold(host_step, real_state, loader, rounds, epochs, time.process_time)
+    seconds = out["seconds"]
+    n = steps_per_epoch * epochs
+    bare = statistics.median(seconds["bare_loop"])
+    return {"metric_keys": sorted(metrics), "rounds": rounds, "steps_per_epoch": steps_per_epoch,
+            "us_per_step_over_bare": {w: 1e6 * (statistics.median(v) - bare) / n for w, v in seconds.items()}}
 
 
 # ----------------------------------------------------------------------------- report
@@ -223,6 +254,19 @@ def table(res: dict) -> str:
     for w in FIT_WAYS:
         lines.append(f"| {w} | {f['ms_per_step'][w]:.3f} | {100 * f['overhead'][w]:+.1f}% | "
                      f"{f['per_run_ms'][w]:.2f} ms |")
+    e = res.get("engine_cpu")
+    if e:
+        lines += [
+            "",
+            f"engine work per step without the step (a host step returning the compiled step's metrics "
+            f"{e['metric_keys']}; process CPU time, all threads; median of {e['rounds']} rounds), and as a "
+            f"share of the bare compiled step ({f['bare_ms_per_step']:.3f} ms):",
+            "| way | us/step over the bare loop | share of the step |",
+            "|---|---|---|",
+        ]
+        for w in FIT_WAYS:
+            us = e["us_per_step_over_bare"][w]
+            lines.append(f"| {w} | {us:.1f} | {100 * us / (1e3 * f['bare_ms_per_step']):.1f}% |")
     return "\n".join(lines)
 
 
@@ -245,6 +289,7 @@ def main(argv=None) -> int:
            "load_before": load()}
     res["boundary"] = boundary(args.rounds, args.calls)
     res["fit"] = fit_overhead(args.rounds, args.steps_per_epoch, args.epochs)
+    res["engine_cpu"] = engine_cpu(args.rounds, args.steps_per_epoch, args.epochs)
     res["load_after"] = load()
     write_results(res, table(res), args.json)
     return 0
