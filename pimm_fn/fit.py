@@ -25,6 +25,7 @@ import attrs
 import torch
 
 from . import events as ev
+from .state import advance_cursor
 from .callbacks.base import callback_name, handles
 
 __all__ = [
@@ -626,7 +627,7 @@ class _Run:
                 else:
                     seen = n * world
                 cursor = state.cursor
-                new = new.replace(cursor=cursor.replace(position=pos + 1, samples_seen=cursor.samples_seen + seen))
+                new = advance_cursor(new, cursor, pos + 1, cursor.samples_seen + seen)
                 # One assignment: an interrupt lands either before the step or after it, never between.
                 self.state, self.step = new, self.step + 1
                 t2 = perf_counter()

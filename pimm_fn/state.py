@@ -167,6 +167,24 @@ class TrainState:
 _LEAF_FIELDS = ("step", "params", "buffers", "opt_state", "loss_scale", "rng", "cursor", "extra")
 
 
+def advance_cursor(state: TrainState, cursor: Cursor, position: int, samples_seen: int) -> TrainState:
+    """``state`` with ``cursor`` moved to ``position`` / ``samples_seen``: what fit does after
+    every step, as ``state.replace(cursor=cursor.replace(...))`` without the field checks
+    (0.6 instead of 1.1 us; at 0.5 ms a step, fit's own path is counted in microseconds)."""
+    if type(cursor) is not Cursor or not isinstance(state, TrainState):  # another state class: its own replace
+        return state.replace(cursor=cursor.replace(position=position, samples_seen=samples_seen))
+    new_cursor = object.__new__(Cursor)
+    c = new_cursor.__dict__
+    c.update(cursor.__dict__)
+    c["position"] = position
+    c["samples_seen"] = samples_seen
+    new = object.__new__(type(state))
+    f = new.__dict__
+    f.update(state.__dict__)
+    f["cursor"] = new_cursor
+    return new
+
+
 def _flatten_state(s: TrainState):
     children = tuple(getattr(s, f) for f in _LEAF_FIELDS)
     return children, (s.model, s.tx), _LEAF_FIELDS
