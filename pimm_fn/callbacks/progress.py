@@ -39,6 +39,15 @@ class ProgressBar(Callback):
         self.epoch_bar = tqdm(total=event.epochs, initial=event.epoch, desc="epochs", unit="epoch", position=0,
                               leave=self.leave, file=self.file, disable=self.disable, dynamic_ncols=True)
 
+    def _due(self) -> bool:
+        """Whether a refresh is due (at most one every refresh_seconds, epochs included:
+        a run of 0.1 s epochs must not redraw both bars ten times a second)."""
+        now = time.monotonic()
+        if now - self._shown < self.refresh_seconds:
+            return False
+        self._shown = now
+        return True
+
     def on_epoch_start(self, event, state):
         tqdm = self._tqdm()
         desc = f"epoch {event.epoch + 1}" + (f"/{event.epochs}" if event.epochs else "")
@@ -49,9 +58,9 @@ class ProgressBar(Callback):
                                  disable=self.disable, dynamic_ncols=True)
         else:
             self.step_bar.reset(total=event.iters_per_epoch)
-            # Refresh now: a new epoch shows its name at once, even if its steps are quicker
-            # than tqdm's refresh interval.
-            self.step_bar.set_description(desc, refresh=True)
+            # A new epoch shows its name at once when a refresh is due, even if its steps are
+            # quicker than tqdm's own refresh interval.
+            self.step_bar.set_description(desc, refresh=self._due())
             if event.iteration:
                 self.step_bar.update(event.iteration)
 
@@ -62,10 +71,8 @@ class ProgressBar(Callback):
         # fit hands the steps over a few times a second (StepBlock); tqdm gets them at most
         # every refresh_seconds, with the block's last metrics (one host sync per refresh).
         self._unshown += len(event.rows)
-        now = time.monotonic()
-        if now - self._shown < self.refresh_seconds:
+        if not self._due():
             return
-        self._shown = now
         if self.metrics and event.rows:
             last = event.rows[-1][2]
             shown = {k: f"{float(last[k]):.4g}" for k in self.metrics if k in last}
@@ -86,11 +93,12 @@ class ProgressBar(Callback):
             if event.metrics and self.metrics:
                 shown = {k: f"{float(event.metrics[k]):.4g}" for k in self.metrics if k in event.metrics}
                 if shown:
-                    self.epoch_bar.set_postfix(shown)
+                    self.epoch_bar.set_postfix(shown, refresh=self._due())
 
     def on_end(self, event, state):
         self._catch_up()
         for bar in (self.step_bar, self.epoch_bar):
             if bar is not None:
+                bar.refresh()  # what a skipped refresh left unshown
                 bar.close()
         self.step_bar = self.epoch_bar = None
