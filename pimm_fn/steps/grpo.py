@@ -261,14 +261,14 @@ class GRPOStep(Step):
         if self.kl and REF_KEY not in state.extra:
             raise KeyError(
                 f"kl_coef != 0 needs the frozen reference policy in state.extra[{REF_KEY!r}]; "
-                "build the state with pimm_fn.steps.grpo.with_reference(state)"
+                "build the state with pimm_fn.steps.with_reference(state)"
             )
         # On copies of the buffers: sampling must not move the state's BatchNorm statistics.
         policy = self._policy(model, state.params, _copies(state.buffers), check=True)
         with torch.no_grad():
             ro = self.sample(policy, batch, self.group_size)
         if not isinstance(ro, Rollout):
-            raise TypeError(f"sample() must return a pimm_fn.steps.grpo.Rollout, got {type(ro).__name__}")
+            raise TypeError(f"sample() must return a pimm_fn.steps.Rollout, got {type(ro).__name__}")
         for key in ("actions", "logp_old"):
             if key not in ro.traj:
                 raise KeyError(f"the rollout's traj has no {key!r} (keys: {sorted(ro.traj)})")
