@@ -35,8 +35,15 @@ __all__ = [
 ]
 
 
-def _check_total_steps(total_steps, where: str) -> int:
+def _check_total_steps(total_steps, where: str, lr=None) -> int:
     """``total_steps`` as a positive int, or a ValueError that says what usually went wrong."""
+    if lr is not None and isinstance(lr, int) and not isinstance(total_steps, (bool, int)) \
+            and isinstance(total_steps, float) and int(total_steps) != total_steps:
+        raise TypeError(
+            f"{where}(total_steps, base_lr, ...): got total_steps={total_steps!r}, base_lr={lr!r}, which "
+            f"looks like the old order (base_lr, total_steps). Every schedule takes the run's length "
+            f"first, as one_cycle and cosine do: {where}({lr!r}, {total_steps!r}, ...)."
+        )
     if isinstance(total_steps, bool) or int(total_steps) != total_steps:
         raise TypeError(f"{where}: total_steps must be an integer, got {total_steps!r}")
     total_steps = int(total_steps)
@@ -223,13 +230,13 @@ def _step_decay(s: torch.Tensor, steps: list, gamma: float, start: float) -> tor
 
 
 def multistep(
-    base_lr: float, total_steps: int, milestones: Sequence[float] = (0.6, 0.9), gamma: float = 0.1
+    total_steps: int, base_lr: float, milestones: Sequence[float] = (0.6, 0.9), gamma: float = 0.1
 ) -> Schedule:
     """torch's ``MultiStepLR`` at the seed's milestones ``int(r * total_steps)``.
 
     milestones: fractions of the run; the lr is multiplied by ``gamma`` at each.
     """
-    total_steps = _check_total_steps(total_steps, "multistep")
+    total_steps = _check_total_steps(total_steps, "multistep", base_lr)
     steps = _milestone_steps(milestones, total_steps, "multistep")
     base_lr, gamma = float(base_lr), float(gamma)
 
@@ -241,8 +248,8 @@ def multistep(
 
 
 def multistep_with_warmup(
-    base_lr: float,
     total_steps: int,
+    base_lr: float,
     milestones: Sequence[float] = (0.6, 0.9),
     gamma: float = 0.1,
     warmup_rate: float = 0.05,
@@ -255,7 +262,7 @@ def multistep_with_warmup(
     ``s <= warmup_rate * T``: it rises from ``warmup_scale`` to 1 over the warm-up.
     warmup_rate=0 means no warm-up (the seed divides by zero there).
     """
-    total_steps = _check_total_steps(total_steps, "multistep_with_warmup")
+    total_steps = _check_total_steps(total_steps, "multistep_with_warmup", base_lr)
     steps = _milestone_steps(milestones, total_steps, "multistep_with_warmup")
     base_lr, gamma = float(base_lr), float(gamma)
     warmup_end = float(warmup_rate) * total_steps
@@ -272,9 +279,9 @@ def multistep_with_warmup(
     return schedule
 
 
-def poly(base_lr: float, total_steps: int, power: float = 0.9) -> Schedule:
+def poly(total_steps: int, base_lr: float, power: float = 0.9) -> Schedule:
     """The seed's PolyLR: ``base_lr * (1 - s / (total_steps + 1)) ** power``."""
-    total_steps = _check_total_steps(total_steps, "poly")
+    total_steps = _check_total_steps(total_steps, "poly", base_lr)
     base_lr, power = float(base_lr), float(power)
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
@@ -284,9 +291,9 @@ def poly(base_lr: float, total_steps: int, power: float = 0.9) -> Schedule:
     return schedule
 
 
-def exp(base_lr: float, total_steps: int, gamma: float) -> Schedule:
+def exp(total_steps: int, base_lr: float, gamma: float) -> Schedule:
     """The seed's ExpLR: ``base_lr * gamma ** (s / total_steps)``."""
-    total_steps = _check_total_steps(total_steps, "exp")
+    total_steps = _check_total_steps(total_steps, "exp", base_lr)
     base_lr, gamma = float(base_lr), float(gamma)
 
     def schedule(count: torch.Tensor) -> torch.Tensor:

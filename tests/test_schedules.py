@@ -124,7 +124,7 @@ def test_multistep_matches_torch(total, milestones, gamma):
         ),
         1, total + 1,
     )
-    assert_close(ours(S.multistep(0.1, total, milestones, gamma), range(total + 1)), lrs[0], "multistep")
+    assert_close(ours(S.multistep(total, 0.1, milestones, gamma), range(total + 1)), lrs[0], "multistep")
 
 
 # The seed's LambdaLR formulas (seed-behaviour.md item 23), written out independently.
@@ -143,7 +143,7 @@ def seed_multistep_warmup(s, base, T, milestones, gamma, wr, ws):
 def test_multistep_with_warmup_matches_seed_formula(total, milestones, gamma, wr, ws):
     base = 0.02
     want = [seed_multistep_warmup(s, base, total, milestones, gamma, wr, ws) for s in range(total + 1)]
-    sched = S.multistep_with_warmup(base, total, milestones, gamma, warmup_rate=wr, warmup_scale=ws)
+    sched = S.multistep_with_warmup(total, base, milestones, gamma, warmup_rate=wr, warmup_scale=ws)
     got = ours(sched, range(total + 1))
     assert_close(got, want, "multistep_with_warmup")
     if wr > 0:
@@ -153,13 +153,13 @@ def test_multistep_with_warmup_matches_seed_formula(total, milestones, gamma, wr
 @pytest.mark.parametrize("total,power", [(500, 0.9), (37, 2.0)])
 def test_poly_matches_seed_formula(total, power):
     want = [0.05 * (1 - s / (total + 1)) ** power for s in range(total + 1)]
-    assert_close(ours(S.poly(0.05, total, power), range(total + 1)), want, "poly")
+    assert_close(ours(S.poly(total, 0.05, power), range(total + 1)), want, "poly")
 
 
 @pytest.mark.parametrize("total,gamma", [(500, 0.01), (64, 0.5)])
 def test_exp_matches_seed_formula(total, gamma):
     want = [0.05 * gamma ** (s / total) for s in range(total + 1)]
-    assert_close(ours(S.exp(0.05, total, gamma), range(total + 1)), want, "exp")
+    assert_close(ours(S.exp(total, 0.05, gamma), range(total + 1)), want, "exp")
 
 
 def test_linear_warmup_matches_torch_linear_lr():
@@ -184,10 +184,10 @@ FACTORIES = {
     "one_cycle": lambda T: S.one_cycle(T, 0.1),
     "one_cycle_momentum": lambda T: S.one_cycle_momentum(T),
     "cosine": lambda T: S.cosine(T, 0.1),
-    "multistep": lambda T: S.multistep(0.1, T),
-    "multistep_with_warmup": lambda T: S.multistep_with_warmup(0.1, T),
-    "poly": lambda T: S.poly(0.1, T),
-    "exp": lambda T: S.exp(0.1, T, 0.1),
+    "multistep": lambda T: S.multistep(T, 0.1),
+    "multistep_with_warmup": lambda T: S.multistep_with_warmup(T, 0.1),
+    "poly": lambda T: S.poly(T, 0.1),
+    "exp": lambda T: S.exp(T, 0.1, 0.1),
 }
 
 
@@ -204,7 +204,7 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="exceeds total_steps"):
         S.one_cycle(10, 0.1, pct_start=20)
     with pytest.raises(ValueError, match="fractions"):
-        S.multistep(0.1, 100, milestones=(60, 90))
+        S.multistep(100, 0.1, milestones=(60, 90))
     with pytest.raises(TypeError, match="integer"):
         S.cosine(10.5, 0.1)
 
@@ -214,10 +214,10 @@ def test_schedules_compile_fullgraph_and_agree_with_eager():
         S.one_cycle(100, 0.01, pct_start=0.05, three_phase=True),
         S.one_cycle_momentum(100),
         S.cosine(100, 0.1, 1e-4),
-        S.multistep_with_warmup(0.1, 100),
-        S.poly(0.1, 100),
-        S.exp(0.1, 100, 0.01),
-        S.linear_warmup(S.multistep(0.1, 100), 10, 0.1),
+        S.multistep_with_warmup(100, 0.1),
+        S.poly(100, 0.1),
+        S.exp(100, 0.1, 0.01),
+        S.linear_warmup(S.multistep(100, 0.1), 10, 0.1),
     ]
 
     def all_values(count):
@@ -235,3 +235,13 @@ def test_schedules_compile_fullgraph_and_agree_with_eager():
             # bits, which can move the float32 rounding by one ulp.
             torch.testing.assert_close(got, eager, rtol=2.5e-7, atol=0)
     assert not math.isnan(float(got.sum()))
+
+
+@pytest.mark.parametrize("name", ["multistep", "multistep_with_warmup", "poly", "exp"])
+def test_schedules_take_the_length_first_and_name_the_old_order(name):
+    extra = (0.5,) if name == "exp" else ()
+    one = getattr(S, name)(100, 0.1, *extra)
+    assert float(one(torch.tensor(0))) == pytest.approx(
+        0.1 * (1e-6 if name == "multistep_with_warmup" else 1.0), rel=1e-5)
+    with pytest.raises(TypeError, match=r"old order \(base_lr, total_steps\).*" + name + r"\(100, 0.1"):
+        getattr(S, name)(0.1, 100, *extra)
