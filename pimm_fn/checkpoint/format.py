@@ -1,65 +1,57 @@
-"""The checkpoint file format (schema 1): one safetensors file, readable by any safetensors reader.
-
-    8 bytes   little-endian u64 N, the header length
-    N bytes   JSON header: {tensor name: {dtype, shape, data_offsets}, "__metadata__": {...}}
-    rest      the raw little-endian bytes of every tensor, back to back, in header order
+"""The checkpoint file format: one safetensors file, written and read by the safetensors
+library, so any safetensors reader opens it.
 
 Tensor names are the leaf paths of the TrainState joined with "/" under ``state/``
 (``state/params/fc.weight``, ``state/opt_state/0/m/fc.weight``) and ``extra/<i>`` for
-tensors inside the ``extra`` argument. ``__metadata__`` holds two strings:
+tensors inside the ``extra`` argument. The header's ``__metadata__`` holds two strings:
 ``pimm_fn`` (a JSON payload: format name, schema version, every leaf's kind, dtype and
 shape, host leaves' values (RNG key and cursor ints), and ``extra`` encoded as JSON with
-tensors replaced by references) and ``pimm_fn_sha256`` (SHA-256 over the payload and the
-tensor bytes), so a truncated or bit-flipped file is reported as such instead of
-restoring wrong numbers.
+tensors replaced by references) and ``pimm_fn_sha256``, so a truncated or bit-flipped
+file is reported as such instead of restoring wrong numbers.
 
-Reading it parses JSON and copies bytes, so it can never run code from the file. Pickle
+The checksum is SHA-256 over the payload, then every tensor's bytes in the order the
+payload lists the tensors (schema 2). The library lays tensors out in its own order, so
+the sum does not depend on the layout. Schema 1 files (pimm_fn's own writer) laid the
+tensors out in payload order, so the same rule verifies them: both are read.
+
+Reading parses JSON and copies bytes, so it can never run code from the file. Pickle
 files are recognised by their first bytes and refused with :class:`UnsafeCheckpointError`.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
-from ..atomic import atomic_write
+from ..atomic import atomic_replace
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, UnsafeCheckpointError, _listing
 from .locate import _existing_checkpoints, _not_found
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FORMAT_NAME = "pimm_fn.checkpoint"
 _META_KEY = "pimm_fn"
 _SUM_KEY = "pimm_fn_sha256"
-_CHUNK = 16 << 20
 
-# torch dtype <-> safetensors dtype code. Complex, sparse and quantized tensors are not
-# representable in safetensors and are refused at save time with the leaf's name.
-_ST_DTYPE = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-for _name, _code in (
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-):
-    if hasattr(torch, _name):
-        _ST_DTYPE[getattr(torch, _name)] = _code
-_DTYPE_BY_NAME = {str(d).removeprefix("torch."): d for d in _ST_DTYPE}
+# Complex, sparse and quantized tensors (and dtypes safetensors has no code for) are
+# refused at save time with the leaf's name.
+_SAVEABLE = frozenset(
+    getattr(torch, name)
+    for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+                 "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2")
+    if hasattr(torch, name)
+)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """The dtype as the payload names it ("float32")."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _host_kind(value) -> Optional[str]:
@@ -75,45 +67,50 @@ def _host_kind(value) -> Optional[str]:
     return None
 
 
-def _tensor_bytes(t: torch.Tensor, key: str) -> torch.Tensor:
-    """The tensor as a flat CPU uint8 view of its bytes (copies only off-CPU or strided)."""
+def _for_file(t: torch.Tensor, key: str) -> torch.Tensor:
+    """The tensor as a dense contiguous CPU tensor (copies only off-CPU or strided)."""
     if t.layout != torch.strided or t.is_quantized:
         raise CheckpointError(f"{key}: {t.layout} / quantized tensors cannot be checkpointed")
-    if t.dtype not in _ST_DTYPE:
+    if t.dtype not in _SAVEABLE:
         raise CheckpointError(f"{key}: dtype {t.dtype} cannot be checkpointed (safetensors has no code for it)")
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    return t.contiguous()
 
 
+def _bytes_of(t: torch.Tensor):
+    """A zero-copy uint8 view of a contiguous CPU tensor's bytes, for hashing."""
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def _write_file(path: Path, tensors: list, payload: bytes, *, sync_dir: bool = True) -> None:
     """Write ``tensors`` ([(name, tensor)]) and the JSON ``payload`` to ``path``, atomically
     (``sync_dir``: fsync the folder after the rename)."""
-    # One pass to get the bytes (a single host copy for GPU tensors), hash, then write.
-    blobs = [(k, _tensor_bytes(t, k)) for k, t in tensors]
+    data: dict = {}
+    storages: set = set()
     digest = hashlib.sha256(payload)
-    header: dict = {}
-    offset = 0
-    for (key, blob), (_, t) in zip(blobs, tensors):
-        n = blob.numel()
-        header[key] = {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-        digest.update(blob.numpy())
-    header["__metadata__"] = {_META_KEY: payload.decode(), _SUM_KEY: digest.hexdigest()}
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # 8-byte aligned data start, as safetensors writers do
+    for key, t in tensors:
+        t = _for_file(t, key)
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr in storages:
+            # The library refuses tensors that share memory (tied weights, a leaf that is
+            # another's view); the file holds each leaf's own bytes, as restore returns them.
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        data[key] = t
+        digest.update(_bytes_of(t))
+    metadata = {_META_KEY: payload.decode(), _SUM_KEY: digest.hexdigest()}
 
-    def write(f):
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for _, blob in blobs:
-            if blob.numel():
-                f.write(memoryview(blob.numpy()))
+    def fill(tmp: Path) -> None:
+        save_file(data, tmp, metadata=metadata)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
-    atomic_write(path, write, sync_dir=sync_dir)
+    atomic_replace(path, fill, sync_dir=sync_dir)
 
 
 def _looks_like_pickle(first: bytes) -> Optional[str]:
@@ -127,9 +124,9 @@ def _looks_like_pickle(first: bytes) -> Optional[str]:
 class _Parsed:
     """A checkpoint whose structure has been checked; tensors are read on demand."""
 
-    def __init__(self, path: Path, header: dict, payload: dict, data_start: int, data_len: int, checksum: str, payload_raw: bytes):
+    def __init__(self, path: Path, header: dict, payload: dict, checksum: str, payload_raw: bytes):
         self.path, self.header, self.payload = path, header, payload
-        self.data_start, self.data_len, self.checksum, self.payload_raw = data_start, data_len, checksum, payload_raw
+        self.checksum, self.payload_raw = checksum, payload_raw
 
 
 def _parse(path: Path) -> _Parsed:
@@ -192,37 +189,33 @@ def _parse(path: Path) -> _Parsed:
         )
     if size > expected:
         raise CheckpointCorruptError(f"{path} is corrupt: {size - expected} unexpected bytes after the tensor data")
-    return _Parsed(path, header, payload, 8 + n, end, checksum, payload_raw)
+    return _Parsed(path, header, payload, checksum, payload_raw)
 
 
-def _read_data(parsed: _Parsed) -> bytearray:
-    """The tensor bytes, checked against the stored SHA-256."""
-    buf = bytearray(parsed.data_len)
-    view = memoryview(buf)
+
+
+def _read_tensors(parsed: _Parsed) -> dict:
+    """Every tensor of the file, in memory of its own, checked against the stored SHA-256."""
+    try:
+        # pread, not mmap: restored tensors own their memory and do not change, or fault,
+        # when the file is later pruned or overwritten.
+        with safe_open(str(parsed.path), framework="pt", backend="pread") as f:
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointCorruptError(f"{parsed.path} is corrupt: the safetensors reader refused it ({e})") from None
     digest = hashlib.sha256(parsed.payload_raw)
-    with open(parsed.path, "rb") as f:
-        f.seek(parsed.data_start)
-        pos = 0
-        while pos < parsed.data_len:
-            got = f.readinto(view[pos : pos + _CHUNK])
-            if not got:
-                raise CheckpointCorruptError(f"{parsed.path} is truncated: the file ended while reading tensor data")
-            digest.update(view[pos : pos + got])
-            pos += got
+    listed = [key for key, meta in parsed.payload["leaves"].items() if meta.get("kind") == "tensor"]
+    for key in listed:
+        t = tensors.get(key)
+        if t is None:
+            raise CheckpointCorruptError(f"{parsed.path} is corrupt: tensor {key} is listed but has no data")
+        meta = parsed.payload["leaves"][key]
+        if _dtype_name(t.dtype) != meta["dtype"] or list(t.shape) != list(meta["shape"]):
+            raise CheckpointCorruptError(f"{parsed.path} is corrupt: the header of {key} disagrees with its metadata")
+        digest.update(_bytes_of(t))
     if digest.hexdigest() != parsed.checksum:
         raise CheckpointCorruptError(f"{parsed.path} is corrupt: its checksum does not match its contents")
-    return buf
-
-
-def _tensor_from(parsed: _Parsed, buf: bytearray, key: str) -> torch.Tensor:
-    entry, meta = parsed.header.get(key), parsed.payload["leaves"][key]
-    if entry is None:
-        raise CheckpointCorruptError(f"{parsed.path} is corrupt: tensor {key} is listed but has no data")
-    dtype = _DTYPE_BY_NAME.get(meta["dtype"])
-    if dtype is None or entry["dtype"] != _ST_DTYPE[dtype] or list(entry["shape"]) != list(meta["shape"]):
-        raise CheckpointCorruptError(f"{parsed.path} is corrupt: the header of {key} disagrees with its metadata")
-    b, e = entry["data_offsets"]
-    # clone(): an owned, aligned storage per tensor rather than views into one buffer.
-    raw = torch.frombuffer(buf, dtype=torch.uint8, count=e - b, offset=b).clone() if e > b else torch.empty(0, dtype=torch.uint8)
-    return raw.view(dtype).reshape(meta["shape"])
-
+    if len(tensors) != len(listed):
+        unlisted = sorted(set(tensors) - set(listed))
+        raise CheckpointCorruptError(f"{parsed.path} is corrupt: tensors not in its metadata: {unlisted[:5]}")
+    return tensors

@@ -19,8 +19,7 @@ from ..state import TrainState
 from ..tree import NAMESPACE
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError, _listing
 from .extra import _decode_extra, _encode_extra
-from .format import (FORMAT_NAME, SCHEMA_VERSION, _DTYPE_BY_NAME, _host_kind, _parse, _read_data, _tensor_from,
-                     _write_file)
+from .format import FORMAT_NAME, SCHEMA_VERSION, _dtype_name, _host_kind, _parse, _read_tensors, _write_file
 from .locate import _existing_checkpoints
 
 
@@ -87,7 +86,7 @@ def save(path: Union[str, os.PathLike], state: TrainState, extra: Any = None, *,
     tensors: list[tuple[str, torch.Tensor]] = []
     for key, leaf in zip(keys, leaves):
         if isinstance(leaf, torch.Tensor):
-            leaf_meta[key] = {"kind": "tensor", "dtype": str(leaf.dtype).removeprefix("torch."), "shape": list(leaf.shape)}
+            leaf_meta[key] = {"kind": "tensor", "dtype": _dtype_name(leaf.dtype), "shape": list(leaf.shape)}
             tensors.append((key, leaf))
         else:
             kind = _host_kind(leaf)
@@ -102,7 +101,7 @@ def save(path: Union[str, os.PathLike], state: TrainState, extra: Any = None, *,
     encoded_extra = _encode_extra(extra, extra_tensors)
     for i, t in enumerate(extra_tensors):
         key = f"extra/{i}"
-        leaf_meta[key] = {"kind": "tensor", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+        leaf_meta[key] = {"kind": "tensor", "dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
         tensors.append((key, t))
 
     payload = json.dumps(
@@ -124,7 +123,7 @@ def _intact_neighbour(path: Path) -> Optional[Path]:
     """The newest other checkpoint in ``path``'s folder that fully verifies, if any."""
     for cand in _existing_checkpoints(path.parent, exclude=path):
         try:
-            _read_data(_parse(cand))
+            _read_tensors(_parse(cand))
             return cand
         except CheckpointError:
             continue
@@ -145,7 +144,7 @@ def _corrupt_with_hint(err: CheckpointCorruptError, path: Path) -> CheckpointCor
 
 def verify(path: Union[str, os.PathLike]) -> None:
     """Raise a :class:`CheckpointError` unless ``path`` is a complete, uncorrupted checkpoint."""
-    _read_data(_parse(Path(path)))
+    _read_tensors(_parse(Path(path)))
 
 
 def restore(path: Union[str, os.PathLike], like: TrainState) -> tuple[TrainState, Any]:
@@ -162,7 +161,7 @@ def restore(path: Union[str, os.PathLike], like: TrainState) -> tuple[TrainState
     path = Path(path)
     try:
         parsed = _parse(path)
-        buf = _read_data(parsed)
+        tensors = _read_tensors(parsed)
     except CheckpointCorruptError as e:
         raise _corrupt_with_hint(e, path) from None
 
@@ -181,8 +180,8 @@ def restore(path: Union[str, os.PathLike], like: TrainState) -> tuple[TrainState
                 kinds.append(f"{key[6:]}: checkpoint has a {meta['kind']}, model has a tensor")
             elif list(meta["shape"]) != list(leaf.shape):
                 shapes.append(f"{key[6:]}: checkpoint {tuple(meta['shape'])} vs model {tuple(leaf.shape)}")
-            elif _DTYPE_BY_NAME.get(meta["dtype"]) != leaf.dtype:
-                kinds.append(f"{key[6:]}: checkpoint dtype {meta['dtype']} vs model {str(leaf.dtype).removeprefix('torch.')}")
+            elif meta["dtype"] != _dtype_name(leaf.dtype):
+                kinds.append(f"{key[6:]}: checkpoint dtype {meta['dtype']} vs model {_dtype_name(leaf.dtype)}")
         elif meta["kind"] != _host_kind(leaf):
             kinds.append(f"{key[6:]}: checkpoint has a {meta['kind']}, model has a {type(leaf).__name__}")
     if missing or unexpected or shapes or kinds:
@@ -209,11 +208,11 @@ def restore(path: Union[str, os.PathLike], like: TrainState) -> tuple[TrainState
     for key, leaf in zip(keys, like_leaves):
         meta = stored_state[key]
         if isinstance(leaf, torch.Tensor):
-            t = _tensor_from(parsed, buf, key)
+            t = tensors[key]
             new_leaves.append(t.to(leaf.device) if leaf.device.type != "cpu" else t)
         else:
             new_leaves.append(meta["value"])
     state = optree.tree_unflatten(treedef, new_leaves)
-    extra_tensors = {k: _tensor_from(parsed, buf, k) for k in stored if k.startswith("extra/")}
+    extra_tensors = {k: tensors[k] for k in stored if k.startswith("extra/")}
     return state, _decode_extra(parsed.payload.get("extra"), extra_tensors)
 
