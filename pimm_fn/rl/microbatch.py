@@ -1,29 +1,14 @@
-"""Micro-batches: slicing a batch of trajectories into weighted pieces, and the rules that
-combine their metrics (and ranks' metrics): the seed's substring rules for min / max /
-mean, ``count`` summed."""
+"""Micro-batches: slicing a batch of trajectories into weighted pieces, and combining their
+metrics with the rule ranks' metrics combine by (:func:`reduce_across_ranks_op`, defined
+with the cross-rank reduction in :mod:`pimm_fn.distributed.collectives`): the seed's
+substring rules for min / max / mean, ``count`` summed."""
 from __future__ import annotations
 
 from typing import Mapping, NamedTuple, Sequence
 
 import torch
 
-from .reductions import COUNT_KEY
-
-
-def reduce_across_ranks_op(key: str) -> str:
-    """How a scalar metric combines across micro-batches / ranks: ``"min"``, ``"max"``, ``"mean"``.
-
-    The seed's substring rule, checked in this order: a key containing ``_min`` anywhere
-    (also ``x_min_update0``) is a minimum; else one containing ``_max`` or ``abs_max`` is a
-    maximum; else a mean. ``count`` is the one addition: it is a ``"sum"``.
-    """
-    if key == COUNT_KEY:
-        return "sum"
-    if "_min" in key:
-        return "min"
-    if "_max" in key or "abs_max" in key:
-        return "max"
-    return "mean"
+from ..distributed.collectives import reduce_across_ranks_op
 
 
 def _as_tensor(v, like: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,7 @@ import math
 
 import torch
 
-# The one metric that is not an average: how many units (trajectories or tokens) the
-# other metrics of the same dict are averaged over. It is summed when combining.
-COUNT_KEY = "count"
+from ..distributed.collectives import COUNT_KEY  # noqa: F401 (re-exported: the count metric)
 
 
 def _as_steps(x: torch.Tensor) -> torch.Tensor:
