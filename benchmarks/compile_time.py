@@ -10,7 +10,7 @@ of ``compile_step(steps.supervised(clip_grad=1.0))`` (import time is reported ap
 5. warm+load   a second process on run 4's caches: loads the saved step (no dynamo)
 
 mlp: the MLP 64-256-10 step of benchmarks/overhead.py (batch 256). pointseg: PointSegNet on
-variable-size point batches (benchmarks/workloads.py); its figure is the first two calls
+variable-size point batches (pimm_fn/bench/workloads.py); its figure is the first two calls
 (the second compiles the dynamic point count; a loaded static step falls back to dynamo there).
 
     python benchmarks/compile_time.py                 # both models -> results/compile_time.{json,txt}
@@ -49,7 +49,7 @@ def _child(model: str, cache: str | None) -> dict:
         batches = loader[:1]
     else:
         sys.path.insert(0, ROOT)
-        from benchmarks.workloads import pointseg
+        from pimm_fn.bench.workloads import pointseg
 
         w = pointseg(n_batches=2)
         state, batches = w.state, w.batches[:2]

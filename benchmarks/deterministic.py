@@ -2,7 +2,7 @@
 
     python benchmarks/deterministic.py [--quick] [--threads 2] [--rounds 5] [--large]
 
-The workload is benchmarks/workloads.py's pointseg (``PointSegNet(3, 13, width=32,
+The workload is pimm_fn/bench/workloads.py's pointseg (``PointSegNet(3, 13, width=32,
 strides=(2, 4, 8))``, AdamW + OneCycle, clip 1.0) on 8 point batches of 4 clouds of
 1500-2999 points (``--large``: 6000-9999 points per cloud, 24k-40k per batch), every
 batch total distinct. Four ways, in one process: the two eager ways timed interleaved, then
@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.workloads import CLIP, POINT_CLASSES, make_optimizer, point_batches  # noqa: E402
+from pimm_fn.bench.workloads import CLIP, POINT_CLASSES, make_optimizer, point_batches  # noqa: E402
 from pimm_fn.bench import machine_info  # noqa: E402
 from pimm_fn.compile import compile_step  # noqa: E402
 from pimm_fn.models import PointSegNet  # noqa: E402

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-from benchmarks import workloads as W  # noqa: E402
+from pimm_fn.bench import workloads as W  # noqa: E402
 from pimm_fn.bench import machine_info  # noqa: E402
 from pimm_fn.compile import compile_step  # noqa: E402
 

@@ -19,7 +19,7 @@ skipped with the reason printed. Its first loss is checked against the torch ste
 jax_ways.configure_threads: XLA_FLAGS alone do not limit it).
 
 Models: pimm_fn.models' MLPClassifier, PointSegNet (variable-size point batches, every
-total above 4096) and ImageClassifier (see benchmarks/workloads.py).
+total above 4096) and ImageClassifier (see pimm_fn/bench/workloads.py).
 Also: fit's per-step overhead over a bare loop (mlp), the machine's bound (forward+backward FLOPs from FlopCounterMode over the measured
 peak float32 GEMM rate), per-way peak memory, time per point on variable- vs fixed-size
 point batches, and compile time cold vs warm (two fresh processes, one inductor cache).
@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from benchmarks import workloads as W  # noqa: E402
+from pimm_fn.bench import workloads as W  # noqa: E402
 from pimm_fn.bench import PeakMemory, batch_size, graph_breaks, machine_info, measure_compile_cache  # noqa: E402
 from pimm_fn.compile import compile_step  # noqa: E402
 
@@ -392,7 +392,7 @@ def main(argv=None):
     if unknown:
         ap.error(f"unknown ways {unknown}; choose from {', '.join(WAYS)}")
     args.ways = tuple(w for w in WAYS if w == "seed_eager" or w in args.ways.split(","))
-    os.chdir(os.path.dirname(HERE))  # the cache probe imports benchmarks.workloads from the repo root
+    os.chdir(os.path.dirname(HERE))  # the cache probe puts the cwd on PYTHONPATH: this checkout's pimm_fn
     args.rounds = args.rounds or (3 if args.quick else 5)
     args.steps = args.steps or (3 if args.quick else 5)
     args.fit_rounds = (4 if args.quick else 6) if args.fit_rounds is None else args.fit_rounds
@@ -442,7 +442,7 @@ def main(argv=None):
     for r in results:
         if r["model"] in probe:
             print(f"[{r['model']}] compile cache probe (two fresh processes)...", flush=True)
-            r["compile_cache"] = measure_compile_cache(f"benchmarks.workloads:{r['model']}")
+            r["compile_cache"] = measure_compile_cache(f"pimm_fn.bench.workloads:{r['model']}")
     out = {"command": "python benchmarks/run_steps.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": machine, "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
            "gemm": gemm, "gemm_jax": args.gemm_jax, "rounds": args.rounds, "steps_per_round": args.steps, "threads": torch.get_num_threads(),

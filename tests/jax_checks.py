@@ -18,7 +18,7 @@ pytest.importorskip("optax", reason="the JAX benchmark way needs the bench extra
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import jax_ways as J  # noqa: E402
-from benchmarks import workloads as W  # noqa: E402
+from pimm_fn.bench import workloads as W  # noqa: E402
 from pimm_fn.compile import compile_step  # noqa: E402
 from pimm_fn.models import ImageClassifier, MLPClassifier, PointSegNet  # noqa: E402
 from pimm_fn.schedules import one_cycle  # noqa: E402

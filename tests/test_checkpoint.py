@@ -648,3 +648,66 @@ def test_import_seed_bad_inputs(tmp_path):
     mine = ck.save(tmp_path / "mine.ckpt", like)
     with pytest.raises(ck.CheckpointError, match="use restore|load it with restore"):
         ck.import_seed_checkpoint(mine, like)
+
+
+# --------------------------------------------------------------------------- the file format
+
+
+def test_shared_memory_leaves_round_trip(tmp_path):
+    """Leaves that share memory (tied weights, a leaf kept in extra too) are saved, each
+    with its own bytes; the safetensors library alone would refuse them."""
+    state = busy_state()
+    tied = dict(state.params)
+    tied["3.bias"] = tied["0.weight"][0, :3]  # a view into another leaf's storage
+    state = state.replace(params=tied)
+    extra = {"w": state.params["0.weight"], "again": state.params["0.weight"]}
+    like = fresh_like().replace(params={**fresh_like().params, "3.bias": torch.zeros(3)})
+    restored, got = ck.restore(ck.save(tmp_path / "a.ckpt", state, extra=extra), like)
+    assert_states_bitwise(restored, state)
+    assert_bitwise(got["w"], state.params["0.weight"]) and assert_bitwise(got["again"], state.params["0.weight"])
+    assert got["w"].untyped_storage().data_ptr() != restored.params["0.weight"].untyped_storage().data_ptr()
+
+
+def test_schema_1_files_still_restore(tmp_path):
+    """A schema 1 file (pimm_fn's own writer: tensors back to back in payload order, the
+    checksum over the data in file order) restores bitwise under schema 2's rules."""
+    import hashlib
+    import json
+    import struct
+
+    from safetensors.torch import load_file
+
+    state = busy_state()
+    new = ck.save(tmp_path / "new.ckpt", state, extra=EXTRA)
+    raw = new.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    meta = json.loads(raw[8 : 8 + n])["__metadata__"]
+    payload = json.loads(meta["pimm_fn"])
+    payload["schema"] = 1
+    payload_raw = json.dumps(payload, separators=(",", ":")).encode()
+    tensors = load_file(str(new))
+    digest, header, blobs, offset = hashlib.sha256(payload_raw), {}, [], 0
+    for key, leaf in payload["leaves"].items():
+        if leaf["kind"] != "tensor":
+            continue
+        t = tensors[key]
+        blob = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        code = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32", "bool": "BOOL",
+                "uint8": "U8", "float64": "F64"}[leaf["dtype"]]
+        header[key] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+        digest.update(blob)
+        blobs.append(blob)
+    header["__metadata__"] = {"pimm_fn": payload_raw.decode(), "pimm_fn_sha256": digest.hexdigest()}
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    old = tmp_path / "old.ckpt"
+    old.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+    restored, extra = ck.restore(old, fresh_like())
+    assert_states_bitwise(restored, state)
+    assert_extra_equal(extra, EXTRA)
+    data = bytearray(old.read_bytes())
+    data[-3] ^= 0x10
+    old.write_bytes(bytes(data))
+    with pytest.raises(ck.CheckpointCorruptError, match="checksum"):
+        ck.verify(old)

@@ -1,8 +1,8 @@
 """Benchmark workloads: model, pimm_fn state and step, seed-style torch trainer, batches.
 
 Each factory (``mlp``, ``pointseg``, ``cnn``) returns a :class:`pimm_fn.bench.Workload`
-and is importable by ``pimm-fn bench benchmarks.workloads:mlp`` and by the compile-cache
-probe (which rebuilds the workload in a fresh process).
+and is what ``pimm-fn bench mlp`` (``pimm_fn.bench.workloads:mlp``) and the compile-cache
+probe (which rebuilds the workload in a fresh process) build.
 
 The models are the package's own (:mod:`pimm_fn.models`), the optimizer is
 ``pimm_fn.optim.adamw`` over ``pimm_fn.schedules.one_cycle``:
@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from pimm_fn.bench import Workload
-from pimm_fn.models import ImageClassifier, MLPClassifier, PointSegNet
-from pimm_fn.optim import adamw
-from pimm_fn.schedules import one_cycle
-from pimm_fn.state import TrainState
-from pimm_fn.steps.supervised import supervised
+from ..models import ImageClassifier, MLPClassifier, PointSegNet
+from ..optim import adamw
+from ..schedules import one_cycle
+from ..state import TrainState
+from ..steps.supervised import supervised
+from .result import Workload
 
 MAX_LR = 1e-3
 WEIGHT_DECAY = 0.01
