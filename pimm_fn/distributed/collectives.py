@@ -54,6 +54,12 @@ def _bucketed_all_reduce(tensors: Sequence[torch.Tensor], op: str, group) -> lis
     for idx in by_dtype.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in idx])
         reduced = funcol.all_reduce(flat, op, group)
+        if not torch.compiler.is_compiling() and isinstance(reduced, funcol.AsyncCollectiveTensor):
+            # Eager: wait now. Views of an AsyncCollectiveTensor do not wait, so a metric
+            # nobody reads would leave its collective in flight; at interpreter exit gloo's
+            # worker thread then frees it without the GIL and the process aborts
+            # ("terminate called without an active exception"). Compiled graphs wait in-graph.
+            reduced = reduced.wait()
         offset = 0
         for i in idx:
             n = tensors[i].numel()

@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import datetime
 import os
+import time
 import warnings
 from typing import Any, Callable, Mapping, Optional
 
@@ -170,19 +171,41 @@ def init_from_env(
         backend=backend,
         timeout_s=timeout_s,
     )
-    atexit.register(shutdown)
+    atexit.register(_shutdown_at_exit)
     return _current
 
 
-def shutdown() -> None:
-    """Destroy the process group (if any) and go back to the single-process context."""
-    global _current
+def shutdown(*, drain: bool = True) -> None:
+    """Destroy the process group (if any) and go back to the single-process context.
+
+    ``drain`` (the default; every rank must call it, as at a normal end of training):
+    a barrier first, so no collective is still in flight. Either way the GIL is then
+    released briefly: a gloo worker thread frees a finished collective's tensors under
+    the GIL, and one still waiting for it when the interpreter finalizes aborts the
+    process ("terminate called without an active exception"). No barrier after
+    :func:`guard` raised PeerLostError, nor from the atexit hook: after an error the
+    peers may be gone or inside another collective.
+    """
+    global _current, _peer_lost
     if dist.is_available() and dist.is_initialized():
+        if drain and not _peer_lost:
+            try:
+                dist.barrier()
+            except Exception as e:  # a peer already gone: nothing left to drain
+                warnings.warn(f"barrier before shutdown failed ({e}); continuing shutdown", stacklevel=2)
+        time.sleep(0.05)
         try:
             dist.destroy_process_group()
         except Exception as e:  # a peer already gone: nothing left to tear down cleanly
             warnings.warn(f"destroy_process_group failed ({e}); continuing shutdown", stacklevel=2)
-    _current = _SINGLE
+    _current, _peer_lost = _SINGLE, False
+
+
+_peer_lost = False  # set by guard(): shutdown must not wait for the peers
+
+
+def _shutdown_at_exit() -> None:
+    shutdown(drain=False)
 
 
 def barrier() -> None:
@@ -240,6 +263,8 @@ def guard():
     except Exception as e:
         ctx = _current
         if ctx.is_distributed and _peer_failure(e):
+            global _peer_lost
+            _peer_lost = True
             first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
             raise PeerLostError(
                 f"rank {ctx.rank}/{ctx.world_size}: a collective failed, so another rank died, "
