@@ -91,12 +91,19 @@ def _run_core(core: StepCore, state: TrainState, batch):
     seed = _rank_seed(rng.step_seed())
     if torch.cuda.is_initialized():
         with seeded_rng(seed):
-            new_state, metrics = core(_with_host(state, None, None), batch)
+            try:
+                new_state, metrics = core(_with_host(state, None, None), batch)
+            except RuntimeError as err:
+                _device_error(err, state, batch)
+                raise
     else:  # seeded_rng inlined for the CPU generator alone: this path runs every call
         saved = _CPU_GENERATOR.get_state()
         _CPU_GENERATOR.manual_seed(seed)
         try:
             new_state, metrics = core(_with_host(state, None, None), batch)
+        except RuntimeError as err:
+            _device_error(err, state, batch)
+            raise
         finally:
             _CPU_GENERATOR.set_state(saved)
     return _with_host(new_state, rng.next(), cursor), metrics
@@ -210,15 +217,32 @@ def _check_finite(step: "Step", state: TrainState, metrics: dict):
         )
 
 
-def _validate_first_batch(batch, name: str) -> None:
+def _validate_first_batch(batch, name: str, state: Optional[TrainState] = None) -> None:
     # Before the first trace: a batch whose keys disagree (32 inputs, 30 labels) would
-    # otherwise fail inside fake-tensor tracing with a message about symbolic sizes.
+    # otherwise fail inside fake-tensor tracing with a message about symbolic sizes, and a
+    # batch on another device than the state with one about fake-tensor device propagation.
     from .data.collate import validate_batch
+    from .data.device import check_batch_device
 
     try:
         validate_batch(batch)
+        if state is not None and state.params:
+            check_batch_device(batch, state.device)
     except ValueError as err:
         raise ValueError(f"the batch handed to step {name!r} is malformed: {err}") from None
+
+
+def _device_error(err: RuntimeError, state, batch) -> None:
+    """Raise a ValueError naming the fix when ``err`` is torch's device-mismatch error
+    for a batch on another device than the state (checked only once a step failed)."""
+    if "device" not in str(err) or not isinstance(state, TrainState) or not state.params:
+        return
+    from .data.device import check_batch_device
+
+    try:
+        check_batch_device(batch, state.device)
+    except ValueError as mismatch:
+        raise mismatch from err
 
 
 def as_step(fn) -> Step:
@@ -321,7 +345,7 @@ class CompiledStep:
         before = self.compile_count
         start = time.perf_counter()
         if not self._traced_once:
-            _validate_first_batch(batch, self.step.name)
+            _validate_first_batch(batch, self.step.name, state)
             if self.step.check_batch is not None:
                 self.step.check_batch(state, batch)
             self._allow_autograd_tracing()

@@ -19,7 +19,8 @@ import attrs
 import optree
 import torch
 
-from .tree import NAMESPACE
+from ._devices import same_device
+from .tree import NAMESPACE, tree_map
 
 
 def _replace(obj, changes: dict):
@@ -127,6 +128,7 @@ class TrainState:
         seed: int = 0,
         data_seed: Optional[int] = None,
         extra: Optional[dict] = None,
+        device=None,
     ) -> "TrainState":
         """Build the initial state from a module and a transform.
 
@@ -135,22 +137,31 @@ class TrainState:
         loss_scale: None (off), True (the default dynamic scale: init 2**16, growth 2
             every 2000 finite steps, backoff 0.5) or a ready ``LossScaleState``.
         seed: the RNG key's seed; data_seed: the cursor's seed (defaults to ``seed``).
+        device: where the state lives. None: the model's device (all its parameters and
+            buffers must be on one). Given: the state's copies are made there (the model
+            itself is not moved). Every tensor of the state (step, params, buffers,
+            optimizer state, loss scale, ``extra``) is on this one device; the RNG key and
+            cursor are host integers on any device, so a checkpoint resumes bitwise
+            wherever it is restored.
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"TrainState.create needs an nn.Module, got {type(model).__name__}")
-        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        device = model_device(model) if device is None else torch.device(device)
+        params = {k: _copy_to(v, device) for k, v in model.named_parameters()}
         if not params:
             raise ValueError(f"{type(model).__name__} has no parameters to train")
-        buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+        buffers = {k: _copy_to(v, device) for k, v in model.named_buffers()}
         opt_state = optimizer.init(params)
         if loss_scale is True:
             from .amp import init_loss_scale
 
-            loss_scale = init_loss_scale()
+            loss_scale = init_loss_scale(device=device)
         elif loss_scale is False:
             loss_scale = None
-        device = next(iter(params.values())).device
-        return cls(
+        elif loss_scale is not None:  # a ready LossScaleState (a NamedTuple of tensors)
+            loss_scale = tree_map(lambda t: t.to(device), loss_scale)
+        extra = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, dict(extra or {}))
+        state = cls(
             step=torch.zeros((), dtype=torch.int64, device=device),
             params=params,
             buffers=buffers,
@@ -160,7 +171,55 @@ class TrainState:
             cursor=Cursor(seed=int(seed if data_seed is None else data_seed)),
             model=model,
             tx=optimizer,
-            extra=dict(extra or {}),
+            extra=extra,
+        )
+        check_one_device(state, device)
+        return state
+
+    @property
+    def device(self) -> torch.device:
+        """The device the state's tensors live on (that of its parameters)."""
+        return next(iter(self.params.values())).device
+
+
+def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # A copy in every case: the state never shares storage with the module.
+    t = t.detach()
+    return t.clone() if t.device == device else t.to(device, copy=True)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The one device of ``model``'s parameters and buffers; ValueError naming them if several."""
+    where: dict = {}
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        where.setdefault(t.device, []).append(name)
+    if not where:
+        return torch.device("cpu")
+    if len(where) > 1:
+        listing = "; ".join(f"{d}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                            for d, names in where.items())
+        raise ValueError(
+            f"{type(model).__name__} has tensors on {len(where)} devices ({listing}); a TrainState "
+            "lives on one device: move the model with model.to(device) first, or pass "
+            "TrainState.create(..., device=...)"
+        )
+    return next(iter(where))
+
+
+def check_one_device(state: "TrainState", device: torch.device) -> None:
+    """Raise ValueError naming the state's tensors that are not on ``device``."""
+    want = torch.device(device)
+    off = []
+    fields = {f: getattr(state, f) for f in ("step", "params", "buffers", "opt_state", "loss_scale", "extra")}
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(fields, none_is_leaf=False, namespace=NAMESPACE)
+    for accessor, leaf in zip(accessors, leaves):
+        if isinstance(leaf, torch.Tensor) and not same_device(leaf.device, want):
+            off.append(f"{accessor.codify('state')} on {leaf.device}")
+    if off:
+        raise ValueError(
+            f"the state's tensors must all be on {want}, but {len(off)} are not ({'; '.join(off[:4])}"
+            f"{' ...' if len(off) > 4 else ''}): an optimizer's init or an extra entry made them "
+            "elsewhere; create them like the params (torch.zeros_like(p)) or pass device= to TrainState.create"
         )
 
 

@@ -11,6 +11,7 @@ from .datasets import (
     DigitsImages, FrogTissueBlocks, LidarBlocks, SyntheticScenes, SyntheticStream,
     read_vti, synthetic_scene,
 )
+from .device import DeviceLoader, batch_devices, check_batch_device, to_device
 from .dynamic import mark_point_dims_dynamic, pad_points_to_bucket
 from .fetch import DatasetMissingError, data_root, fetch, fetch_command
 from .loaders import (
@@ -26,6 +27,7 @@ __all__ = [
     "point_collate", "validate_batch", "validate_point_batch",
     "DigitsImages", "FrogTissueBlocks", "LidarBlocks", "SyntheticScenes", "SyntheticStream",
     "read_vti", "synthetic_scene",
+    "DeviceLoader", "batch_devices", "check_batch_device", "to_device",
     "mark_point_dims_dynamic", "pad_points_to_bucket",
     "DatasetMissingError", "data_root", "fetch", "fetch_command",
     "EpochLoader", "build_eval_loader", "build_train_loader", "check_nonempty", "sample_seed",

@@ -308,6 +308,7 @@ def build_train_loader(
     pin_memory: Optional[bool] = None,
     persistent_workers: Optional[bool] = None,
     name: Optional[str] = None,
+    device=None,
     **loader_kwargs,
 ) -> EpochLoader:
     """Build the shuffling, resumable training loader.
@@ -320,6 +321,9 @@ def build_train_loader(
         map-style data an optional cap on the epoch.
     pin_memory: None -> on when CUDA is available. persistent_workers: None -> on with
         workers (map-style only).
+    device: the training device: the loader is wrapped in a
+        :class:`~pimm_fn.data.device.DeviceLoader` whose batches arrive there (pinned,
+        non-blocking copies). None: batches stay on the CPU.
     """
     if collate_fn is None:
         collate_fn = PointCollate(mix_prob)
@@ -330,7 +334,7 @@ def build_train_loader(
         check_nonempty(dataset, name)
     if drop_last is None:
         drop_last = True if iterable else len(dataset) > batch_size * world_size
-    return EpochLoader(
+    loader = EpochLoader(
         dataset, batch_size=batch_size, collate_fn=collate_fn, seed=seed, rank=rank,
         world_size=world_size, num_workers=num_workers, shuffle=True, drop_last=drop_last,
         transform=transform, iters_per_epoch=iters_per_epoch, name=name,
@@ -338,6 +342,15 @@ def build_train_loader(
         persistent_workers=(num_workers > 0) if persistent_workers is None else persistent_workers,
         **loader_kwargs,
     )
+    return _on_device(loader, device)
+
+
+def _on_device(loader: EpochLoader, device):
+    if device is None:
+        return loader
+    from .device import DeviceLoader
+
+    return DeviceLoader(loader, device)
 
 
 def build_eval_loader(
@@ -351,17 +364,19 @@ def build_eval_loader(
     num_workers: int = 0,
     pin_memory: Optional[bool] = None,
     name: Optional[str] = None,
+    device=None,
 ) -> EpochLoader:
     """Build a validation/test loader: no shuffling, no drop_last, own batch size.
 
     With world_size > 1 each rank takes every world_size-th sample (DistributedSampler
     with shuffle off); the last ranks repeat up to world_size - 1 samples as padding.
-    Iterate it with ``iter(loader)`` or ``loader.iter_epoch(0, 0)``.
+    Iterate it with ``iter(loader)`` or ``loader.iter_epoch(0, 0)``. device: as for
+    :func:`build_train_loader`.
     """
-    return EpochLoader(
+    return _on_device(EpochLoader(
         dataset, batch_size=batch_size, collate_fn=collate_fn or PointCollate(0.0), seed=0,
         rank=rank, world_size=world_size, num_workers=num_workers, shuffle=False,
         drop_last=False, transform=transform, name=name,
         pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
         persistent_workers=False,
-    )
+    ), device)
