@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch._dynamo
 
+from .compile_modes import copy_tensors, device_error, mode_patches
 from .state import RngKey, TrainState
 
 _DYNAMO_CONFIG = torch._dynamo.config
@@ -94,7 +95,7 @@ def _run_core(core: StepCore, state: TrainState, batch):
             try:
                 new_state, metrics = core(_with_host(state, None, None), batch)
             except RuntimeError as err:
-                _device_error(err, state, batch)
+                device_error(err, state, batch)
                 raise
     else:  # seeded_rng inlined for the CPU generator alone: this path runs every call
         saved = _CPU_GENERATOR.get_state()
@@ -102,7 +103,7 @@ def _run_core(core: StepCore, state: TrainState, batch):
         try:
             new_state, metrics = core(_with_host(state, None, None), batch)
         except RuntimeError as err:
-            _device_error(err, state, batch)
+            device_error(err, state, batch)
             raise
         finally:
             _CPU_GENERATOR.set_state(saved)
@@ -232,19 +233,6 @@ def _validate_first_batch(batch, name: str, state: Optional[TrainState] = None) 
         raise ValueError(f"the batch handed to step {name!r} is malformed: {err}") from None
 
 
-def _device_error(err: RuntimeError, state, batch) -> None:
-    """Raise a ValueError naming the fix when ``err`` is torch's device-mismatch error
-    for a batch on another device than the state (checked only once a step failed)."""
-    if "device" not in str(err) or not isinstance(state, TrainState) or not state.params:
-        return
-    from .data.device import check_batch_device
-
-    try:
-        check_batch_device(batch, state.device)
-    except ValueError as mismatch:
-        raise mismatch from err
-
-
 def as_step(fn) -> Step:
     """Wrap a plain core function as a :class:`Step` (a Step is returned unchanged)."""
     return fn if isinstance(fn, Step) else Step(fn)
@@ -284,6 +272,7 @@ class CompiledStep:
         self._rng_used = False
         self._current: Optional[TrainState] = None  # an unseeded call's state (seeds a recompile)
         self._reseed = None  # (saved, seeded) generator states of a recompile seeded mid-call
+        self._cudagraphs = False
         if eager:
             # Python control flow may draw only sometimes: an eager step seeds every call.
             self._rng_used = True
@@ -292,11 +281,10 @@ class CompiledStep:
         from . import isa_memo
 
         isa_memo.install()  # inductor's CPU ISA probes: ~9 s of a cold compile, answered from disk
-        patches = dict(options or {})
-        if mode is not None:
-            from torch._inductor import list_mode_options
-
-            patches = {**list_mode_options(mode, dynamic), **patches}
+        patches = mode_patches(mode, dynamic, options)
+        # CUDA graphs (reduce-overhead, max-autotune): see _cudagraph_call.
+        self._cudagraphs = bool(patches.get("triton.cudagraphs"))
+        self._cudagraph_checked = False
 
         def backend(gm, example_inputs):
             from torch._inductor.compile_fx import compile_fx
@@ -340,6 +328,33 @@ class CompiledStep:
         return _with_host(new_state, state.rng.next(), state.cursor), metrics
 
     def _call_core(self, state: TrainState, batch):
+        if self._cudagraphs:
+            return self._cudagraph_call(state, batch)
+        return self._call_core_plain(state, batch)
+
+    def _cudagraph_call(self, state: TrainState, batch):
+        """A call under CUDA graphs: the graph's outputs are copied out of its memory pool.
+
+        A replay writes its outputs into the same pool memory as the replay before: without
+        the copy, the state and metrics a step returned would be overwritten by the next
+        step (fit, a callback or user code holding step t's state would read step t+1's).
+        One device copy of the state and metrics per step keeps every returned tensor
+        valid; it is what mode="reduce-overhead" costs besides the graphs' memory.
+        """
+        if not self._cudagraph_checked:
+            self._cudagraph_checked = True
+            if isinstance(state, TrainState) and state.params and state.device.type != "cuda":
+                warnings.warn(
+                    f"compile_step(mode=...) with CUDA graphs: the state of step {self.step.name!r} is on "
+                    f"{state.device}, where no CUDA graphs are recorded; the step compiles as in the default "
+                    "mode (pass mode=None to silence this)", UserWarning, stacklevel=4)
+                self._cudagraphs = False
+                return self._call_core_plain(state, batch)
+        torch.compiler.cudagraph_mark_step_begin()
+        new_state, metrics = self._call_core_plain(state, batch)
+        return copy_tensors(new_state), copy_tensors(metrics)
+
+    def _call_core_plain(self, state: TrainState, batch):
         if self._pending_reasons:
             self._pending_reasons = []
         before = self.compile_count
@@ -511,7 +526,13 @@ def compile_step(step_fn, *, eager: bool = False, dynamic: Optional[bool] = None
     eager: run uncompiled (for debugging) behind the same interface.
     dynamic: torch.compile's ``dynamic``; the default (None) compiles static first and
         makes a varying dimension (the point count) dynamic on the first recompile.
-    mode / options: inductor mode (e.g. "max-autotune") and config patches.
+    mode / options: inductor mode and config patches. ``mode="reduce-overhead"`` records
+        CUDA graphs: use it on CUDA with a static batch shape and a small step whose time
+        is kernel launches (it replays the whole step in one launch; each call also copies
+        the new state out of the graph's memory pool). With a dynamic dimension (variable
+        point counts) the dynamic graph runs without CUDA graphs (no re-recording per
+        size). On the CPU there are no CUDA graphs: the step compiles as in the default
+        mode, with a warning. See docs/gpu.md.
     cache: True (``~/.cache/pimm_fn/steps``, or under ``$XDG_CACHE_HOME``) or a folder: the
         first call's compiled step is saved there and a later process with the same step,
         model, optimizer and input shapes loads it instead of tracing again (see

@@ -50,6 +50,28 @@ def test_timeout_from_environment():
     assert D.init_from_env(env={}, device="cpu").timeout_s == D.DEFAULT_TIMEOUT_S
 
 
+def test_backend_is_gloo_without_cuda_and_nccl_with_it(monkeypatch):
+    assert D.choose_backend("cpu") == "gloo" and D.choose_backend(torch.device("meta")) == "gloo"
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    assert D.choose_backend("cuda:1") == "cpu:gloo,cuda:nccl"  # gloo stays for CPU-tensor collectives
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    with pytest.raises(RuntimeError, match="nccl backend, which this torch build lacks.*device='cpu'"):
+        D.choose_backend("cuda:0")
+
+
+def test_default_device_cpu_without_cuda_and_one_gpu_per_rank_with_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert D.default_device(1, 2) == torch.device("cpu")
+    ctx = D.init_from_env(env={})  # no device given: chosen by availability
+    assert ctx.device == torch.device("cpu") and ctx.backend is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert D.default_device(1, 2) == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.warns(RuntimeWarning, match="2 ranks on this machine but 1 GPU.*gloo"):
+        assert D.default_device(1, 2) == torch.device("cpu")  # nccl cannot share one GPU between ranks
+
+
 def test_count_samples_rules():
     assert D.count_samples({"coord": torch.zeros(10, 3), "offset": torch.tensor([4, 10])}) == 2
     assert D.count_samples({"image": torch.zeros(5, 3, 2, 2), "label": torch.zeros(5)}) == 5

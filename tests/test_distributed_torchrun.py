@@ -1,4 +1,7 @@
-"""Data parallelism on real gloo process groups: torchrun launches tests/dist_scripts/*.
+"""Data parallelism on real process groups: torchrun launches tests/dist_scripts/*.
+
+The groups are gloo on the CPU; on a machine with two GPUs the device-aware script
+(dp_compiled.py) runs on cuda:0 / cuda:1 over nccl; the other scripts keep their tensors on the CPU (gloo).
 
 Each test starts ``python -m torch.distributed.run --nproc_per_node=2`` (or, for the
 no-agent failure case, two plain processes with torchrun's environment) on a free port,
@@ -18,6 +21,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "dist_scripts"
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
+
+
+def EXPECTED_BACKEND(rank: int) -> tuple:
+    """(backend, device) a rank of a two-rank run gets on this machine."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        return "cpu:gloo,cuda:nccl", f"cuda:{rank}"
+    return "gloo", "cpu"
 
 
 def _free_port() -> int:
@@ -178,6 +188,9 @@ def test_compiled_data_parallel_step_has_zero_graph_breaks(tmp_path):
         res = json.loads((tmp_path / f"compiled_rank{rank}.json").read_text())
         print(f"rank {rank}: compile {res['compile_seconds']} s, max |compiled - eager| "
               f"{res['max_diff_vs_eager']:.2e}")
+        # nccl when every rank has a GPU, else gloo on the CPU (pimm_fn.distributed.choose_backend)
+        assert (res["backend"], res["device"]) == EXPECTED_BACKEND(rank), res
+        assert res["state_device"] == res["batch_device"] == res["device"]
         assert res["graph_break_count"] == 0 and res["break_reasons"] == [] and res["graph_count"] == 1
         assert res["compile_count"] == 1  # three steps, one compilation
         assert res["max_diff_vs_eager"] < 1e-4, res

@@ -2,7 +2,7 @@
 
 Replaces the seed's parallel context, DDP wrapping and comm helpers. Rooms:
 
-    runtime      init_from_env, shutdown, world, is_main, barrier, broadcast_object,
+    runtime      init_from_env, choose_backend, default_device, shutdown, world, is_main, barrier, broadcast_object,
                  on_main, guard, DistContext, PeerLostError
     collectives  grad_transform, all_reduce_gradients, reduce_metrics, count_samples
                  (traceable, inside the pure step)
@@ -36,13 +36,15 @@ from .collectives import (COUNT_KEY, SAMPLES_KEY, _bucketed_all_reduce, all_redu
                           grad_transform, reduce_across_ranks_op, reduce_metrics)
 from .host import assert_in_sync, dist_meta, global_count, reshard_cursor
 from .runtime import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, DistContext, PeerLostError, RankDivergenceError, barrier,
-                      broadcast_object, guard, init_from_env, is_main, on_main, shutdown, world)
+                      broadcast_object, choose_backend, default_device, guard, init_from_env, is_main, on_main, shutdown, world)
 
 __all__ = [
     "DistContext",
     "PeerLostError",
     "RankDivergenceError",
     "init_from_env",
+    "choose_backend",
+    "default_device",
     "shutdown",
     "world",
     "is_main",

@@ -92,10 +92,41 @@ def _env_int(env: Mapping[str, str], name: str) -> int:
         raise ValueError(f"environment variable {name}={env[name]!r} is not an integer") from None
 
 
-def _default_device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+def default_device(local_rank: int = 0, local_world_size: int = 1) -> torch.device:
+    """``cuda:LOCAL_RANK`` when this machine has a GPU for every local rank, else the CPU.
+
+    nccl needs one GPU per rank: with fewer GPUs than ranks (two ranks on a one-GPU
+    machine) the ranks run on the CPU over gloo, with a warning, instead of failing in
+    nccl's init. Pass ``init_from_env(device=...)`` to choose otherwise.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if count < local_world_size:
+        warnings.warn(
+            f"{local_world_size} ranks on this machine but {count} GPU(s): nccl needs one GPU per rank, "
+            "so the ranks run on the CPU with gloo; start at most one rank per GPU "
+            "(torchrun --nproc_per_node=<GPUs>) to train on the GPUs", RuntimeWarning, stacklevel=3)
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank)
+
+
+def choose_backend(device) -> str:
+    """The process-group backend for ranks on ``device``.
+
+    CPU (or any non-CUDA device): "gloo". CUDA: "cpu:gloo,cuda:nccl": nccl carries the
+    step's collectives on CUDA tensors, gloo the host-side ones (object broadcasts, counts)
+    on CPU tensors. A CUDA device without nccl in this torch build is an error naming the fix.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "gloo"
+    if not dist.is_nccl_available():
+        raise RuntimeError(
+            f"ranks on {device} need the nccl backend, which this torch build lacks: install a CUDA "
+            "build of torch with nccl, or run the ranks on the CPU (init_from_env(device='cpu'))"
+        )
+    return "cpu:gloo,cuda:nccl"
 
 
 def init_from_env(
@@ -110,11 +141,13 @@ def init_from_env(
     Without torchrun (no WORLD_SIZE, or WORLD_SIZE=1) nothing is initialised and a
     single-process context is returned. Calling it again returns the same context.
 
-    backend: default "gloo" on CPU, "cpu:gloo,cuda:nccl" on CUDA (nccl for the step's
-        collectives, gloo for host-side object broadcasts and counts).
+    backend: default :func:`choose_backend` of the device: "gloo" on CPU,
+        "cpu:gloo,cuda:nccl" on CUDA (nccl for the step's collectives, gloo for host-side
+        object broadcasts and counts).
     timeout_s: collective timeout (default ``$PIMM_FN_DIST_TIMEOUT_S`` or 300 s): a rank
         waiting on a dead or stuck peer raises after at most this long.
-    device: override the device (default ``cuda:LOCAL_RANK`` when CUDA is present, else cpu).
+    device: override the device (default :func:`default_device`: ``cuda:LOCAL_RANK`` when
+        there is a GPU per local rank, else cpu).
     env: the environment to read (default ``os.environ``); for tests.
     """
     global _current
@@ -125,7 +158,8 @@ def init_from_env(
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     world_size = _env_int(env, "WORLD_SIZE") if "WORLD_SIZE" in env else 1
     local_rank = _env_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
-    dev = torch.device(device) if device is not None else _default_device(local_rank)
+    local_world = _env_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world_size
+    dev = torch.device(device) if device is not None else default_device(local_rank, local_world)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world_size <= 1:
@@ -148,7 +182,7 @@ def init_from_env(
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank} out of range for WORLD_SIZE={world_size}")
     if backend is None:
-        backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
+        backend = choose_backend(dev)
     if "nccl" in backend:
         # nccl raises (instead of hanging) on timeout only with async error handling on.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -166,7 +200,7 @@ def init_from_env(
         rank=rank,
         world_size=world_size,
         local_rank=local_rank,
-        local_world_size=_env_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world_size,
+        local_world_size=local_world,
         device=dev,
         backend=backend,
         timeout_s=timeout_s,
