@@ -102,31 +102,38 @@ def cnn_batches(n=4, batch=128, classes=10, seed=0):
 # --------------------------------------------------------------------------------------
 # factories
 # --------------------------------------------------------------------------------------
-def _workload(name, batches):
+def _workload(name, batches, device=None):
+    # device: where the model, state and batches live (None: the CPU). The model and the
+    # batches are made on the CPU first, so every device starts from the same numbers.
     torch.manual_seed(0)
     build, model_src = MODELS[name]
     model = build()
+    if device is not None:
+        from ..data.device import to_device
+
+        model = model.to(device)
+        batches = [to_device(b, device) for b in batches]
     tx, tx_src = make_optimizer()
     state = TrainState.create(model, tx)
     step = supervised(clip_grad=CLIP)
     return Workload(name=name, step=step, state=state, batches=batches, model=model,
-                    notes={"model": model_src, "optimizer": tx_src})
+                    notes={"model": model_src, "optimizer": tx_src, "device": str(state.device)})
 
 
-def mlp(n_batches: int = 4, batch: int = 512):
-    return _workload("mlp", mlp_batches(n_batches, batch))
+def mlp(n_batches: int = 4, batch: int = 512, device=None):
+    return _workload("mlp", mlp_batches(n_batches, batch), device)
 
 
-def pointseg(n_batches: int = 8, fixed: bool = False):
-    return _workload("pointseg", point_batches(n_batches, fixed=fixed))
+def pointseg(n_batches: int = 8, fixed: bool = False, device=None):
+    return _workload("pointseg", point_batches(n_batches, fixed=fixed), device)
 
 
-def pointseg_fixed(n_batches: int = 8):
-    return pointseg(n_batches, fixed=True)
+def pointseg_fixed(n_batches: int = 8, device=None):
+    return pointseg(n_batches, fixed=True, device=device)
 
 
-def cnn(n_batches: int = 4, batch: int = 128):
-    return _workload("cnn", cnn_batches(n_batches, batch))
+def cnn(n_batches: int = 4, batch: int = 128, device=None):
+    return _workload("cnn", cnn_batches(n_batches, batch), device)
 
 
 WORKLOADS = {"mlp": mlp, "pointseg": pointseg, "pointseg_fixed": pointseg_fixed, "cnn": cnn}
