@@ -209,12 +209,14 @@ def test_bf16_autocast_step_trains_in_fp32_master_params():
     state = TrainState.create(Net(), optim.adamw(1e-2), device=DEV)
     step = compile_step(supervised(autocast="bfloat16"))
     bs = batches(6, seed=5)
-    first = None
+    state, m = step(state, bs[0])
+    first, compiles = float(m["loss"]), step.compile_count
     for b in bs * 3:
         state, m = step(state, b)
-        first = float(m["loss"]) if first is None else first
     assert all(p.dtype == torch.float32 for p in state.params.values())
-    assert float(m["loss"]) < first and step.compile_count == 1
+    # (compile_count counts from the first call: another step of the same code compiled
+    # earlier in the process can make that first call compile twice)
+    assert float(m["loss"]) < first and step.compile_count == compiles, step.recompile_reasons
     eager_state = TrainState.create(Net(), optim.adamw(1e-2), device=DEV)
     _, em = supervised(autocast="bfloat16")(eager_state, bs[0])
     assert em["loss"].dtype == torch.float32
@@ -229,11 +231,12 @@ def test_reduce_overhead_static_shape_matches_the_default_compile_and_keeps_old_
     plain = compile_step(supervised(clip_grad=1.0))
     g, p = state0, state0
     kept = []
-    for b in bs:
+    for i, b in enumerate(bs):
         g, gm = graphed(g, b)
         p, pm = plain(p, b)
         kept.append((g, {k: v.clone() for k, v in g.params.items()}))
-    assert graphed.compile_count == 1
+        compiles = graphed.compile_count if i == 0 else compiles
+    assert graphed.compile_count == compiles  # replays, no recompiles
     for k in p.params:
         torch.testing.assert_close(g.params[k], p.params[k], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gm["loss"], pm["loss"])
@@ -248,9 +251,10 @@ def test_reduce_overhead_variable_point_counts_compile_once_without_rerecording(
     counters.clear()
     state = TrainState.create(PointNet(), optim.adamw(1e-3), device=DEV)
     step = compile_step(supervised(), mode="reduce-overhead", dynamic=True)
-    for b in point_batches([5000, 5100, 6200, 7300, 5550, 8000, 6001]):
+    for i, b in enumerate(point_batches([5000, 5100, 6200, 7300, 5550, 8000, 6001])):
         state, m = step(state, b)
-    assert step.compile_count == 1 and torch.isfinite(m["loss"])
+        compiles = step.compile_count if i == 0 else compiles
+    assert step.compile_count == compiles and torch.isfinite(m["loss"]), step.recompile_reasons
     # the dynamic graph was kept off CUDA graphs (no recording per point count)
     assert counters["inductor"]["cudagraph_skips"] >= 1, dict(counters["inductor"])
 
@@ -266,3 +270,30 @@ def test_dropout_on_cuda_is_a_function_of_the_state():
     assert all(torch.equal(a1.params[k], a2.params[k]) for k in a1.params)
     _, m3 = step(state.replace(rng=state.rng.next()), b)  # the same params, the next key: other masks
     assert not torch.equal(m1["loss"], m3["loss"])
+
+
+def test_resume_on_cuda_is_bitwise(tmp_path):
+    # 4 steps straight == 2 steps, save, restore into a fresh CUDA state, 2 steps: the RNG
+    # key and cursor are host ints, every tensor comes back onto the like-state's device.
+    from pimm_fn.checkpoint import restore, save
+
+    def fresh():
+        torch.manual_seed(0)
+        return TrainState.create(Net(dropout=0.3), optim.adamw(1e-2), loss_scale=True, device=DEV)
+
+    step = compile_step(supervised(autocast="float16"))
+    bs = batches(4, seed=2)
+    straight = fresh()
+    for b in bs:
+        straight, _ = step(straight, b)
+    half = fresh()
+    for b in bs[:2]:
+        half, _ = step(half, b)
+    save(tmp_path / "ckpt.safetensors", half)
+    resumed, _ = restore(tmp_path / "ckpt.safetensors", fresh())
+    assert {t.device for t in state_tensors(resumed)} == {DEV}
+    for b in bs[2:]:
+        resumed, _ = step(resumed, b)
+    for k in straight.params:
+        assert torch.equal(straight.params[k], resumed.params[k]), k
+    assert torch.equal(straight.loss_scale.scale, resumed.loss_scale.scale)
