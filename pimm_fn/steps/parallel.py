@@ -52,7 +52,9 @@ def wrap_step(step, ctx: Optional[DistContext] = None, *, sync_buffers: bool = F
             metrics[SAMPLES_KEY] = n_local
             return new_state, metrics
         buf_keys = [k for k, v in new_state.buffers.items() if v.is_floating_point()] if sync_buffers else []
-        extra = [n_local.to(ctx.device)] + [new_state.buffers[k] for k in buf_keys]
+        # The count goes where the state is (not ctx.device): a state kept on the CPU on a
+        # GPU machine reduces its CPU tensors together, over gloo.
+        extra = [n_local.to(next(iter(new_state.params.values())).device)] + [new_state.buffers[k] for k in buf_keys]
         if reduce:
             metrics, summed = reduce_metrics(metrics, ctx, extra)
         else:
