@@ -149,6 +149,8 @@ def test_build_train_loader_device_option_wraps():
     assert isinstance(loader, DeviceLoader) and loader.device.type == "meta"
     assert next(iter(loader.iter_epoch(0, 0)))["x"].device.type == "meta"
     assert not isinstance(build_train_loader(data, batch_size=2, collate_fn=collate), DeviceLoader)
+    # the CPU needs no copies: device="cpu" (a CPU run's ctx.device) gives the loader itself
+    assert not isinstance(build_train_loader(data, batch_size=2, collate_fn=collate, device="cpu"), DeviceLoader)
 
 
 def test_check_batch_device_names_tensor_and_fix():

@@ -323,7 +323,7 @@ def build_train_loader(
         workers (map-style only).
     device: the training device: the loader is wrapped in a
         :class:`~pimm_fn.data.device.DeviceLoader` whose batches arrive there (pinned,
-        non-blocking copies). None: batches stay on the CPU.
+        non-blocking copies). None or a CPU device: the loader itself (batches stay on the CPU).
     """
     if collate_fn is None:
         collate_fn = PointCollate(mix_prob)
@@ -346,7 +346,9 @@ def build_train_loader(
 
 
 def _on_device(loader: EpochLoader, device):
-    if device is None:
+    # The CPU needs no copies: the loader itself, so a script passing ctx.device gets the
+    # same loader object on a CPU machine as without the option.
+    if device is None or torch.device(device).type == "cpu":
         return loader
     from .device import DeviceLoader
 
