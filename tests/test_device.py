@@ -167,3 +167,13 @@ def test_a_step_on_a_batch_on_another_device_names_the_fix():
     with pytest.raises(ValueError, match=r"another device than the state \(meta\).*to_device") as info:
         supervised()(state, batch)
     assert isinstance(info.value.__cause__, RuntimeError)  # torch's own error stays attached
+
+
+def test_a_compiled_step_checks_the_first_batch_device_before_tracing():
+    from pimm_fn.compile import compile_step
+
+    state = TrainState.create(Net(), optim.sgd(0.1), device="meta")
+    step = compile_step(supervised())
+    with pytest.raises(ValueError, match=r"another device than the state \(meta\): 'x' on cpu, 'y' on cpu"):
+        step(state, {"x": torch.randn(4, 3), "y": torch.randn(4, 2)})
+    assert step.compile_count == 0  # refused before dynamo traced anything
