@@ -88,10 +88,9 @@ def build(settings: dict, ctx) -> Run:
     train_loader = build_train_loader(
         LidarBlocks("train"), batch_size=s["batch_size"], seed=s["seed"],
         transform=transform(s["grid_size"], "train"), num_workers=s["num_workers"],
-        rank=ctx.rank, world_size=ctx.world_size, iters_per_epoch=2 if ctx.quick else None,
-        device=ctx.device)
+        rank=ctx.rank, world_size=ctx.world_size, iters_per_epoch=2 if ctx.quick else None)
     val_loader = build_eval_loader(LidarBlocks("val"), batch_size=s["eval_batch_size"],
-                                   transform=transform(s["grid_size"], "test"), device=ctx.device)
+                                   transform=transform(s["grid_size"], "test"))
     model = PointSegNet(in_channels=4, num_classes=LidarBlocks.num_classes, width=s["width"],
                         deterministic=s["deterministic"])
     total = len(train_loader) * s["epochs"]
@@ -104,8 +103,7 @@ def build(settings: dict, ctx) -> Run:
                        lr=s["lr"], weight_decay=s["weight_decay"], lr_schedule=cycle,
                        b1=schedules.one_cycle_momentum(total, pct_start=s["pct_start"]))
     amp = s["amp"] or None
-    # On the run's device (ctx.device: cuda:LOCAL_RANK on a GPU machine), as are the batches.
-    state = TrainState.create(model, tx, seed=s["seed"], loss_scale=(amp == "float16"), device=ctx.device)
+    state = TrainState.create(model, tx, seed=s["seed"], loss_scale=(amp == "float16"))
     step = data_parallel(clip_grad=s["clip_grad"], autocast=amp)
     if s["compile"]:
         step = compile_step(step)
