@@ -224,6 +224,9 @@ def test_bf16_autocast_step_trains_in_fp32_master_params():
 
 # ------------------------------------------------------------------ CUDA graphs
 def test_reduce_overhead_static_shape_matches_the_default_compile_and_keeps_old_states():
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     torch.manual_seed(0)
     state0 = TrainState.create(Net(), optim.adamw(1e-2), loss_scale=True, device=DEV)
     bs = batches(6, seed=1)
@@ -237,6 +240,7 @@ def test_reduce_overhead_static_shape_matches_the_default_compile_and_keeps_old_
         kept.append((g, {k: v.clone() for k, v in g.params.items()}))
         compiles = graphed.compile_count if i == 0 else compiles
     assert graphed.compile_count == compiles  # replays, no recompiles
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])  # the graph was recorded
     for k in p.params:
         torch.testing.assert_close(g.params[k], p.params[k], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gm["loss"], pm["loss"])
