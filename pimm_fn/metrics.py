@@ -1,6 +1,6 @@
 """Evaluation metrics as summable statistics: per-batch counts that add up over batches and ranks.
 
-Semantic segmentation follows the seed's evaluator: per class intersection / union / target
+Semantic segmentation follows Pointcept's evaluator: per class intersection / union / target
 counts over the points whose label is not ``ignore_index`` (-1); ``iou = I / (U + 1e-10)``,
 ``mIoU`` its mean, ``acc = I / (T + 1e-10)``, ``mAcc`` its mean, ``allAcc = sum I / (sum T +
 1e-10)``. Classification: correct / total.
@@ -40,7 +40,7 @@ def intersection_and_union(pred: torch.Tensor, target: torch.Tensor, num_classes
 
 
 def segmentation_scores(intersection, union, target, names: Optional[Sequence[str]] = None) -> dict:
-    """mIoU, mAcc, allAcc (and per-class iou/acc) from summed counts, as the seed computes them."""
+    """mIoU, mAcc, allAcc (and per-class iou/acc) from summed counts, as Pointcept computes them."""
     i, u, t = (torch.as_tensor(x, dtype=torch.float64) for x in (intersection, union, target))
     iou = i / (u + EPS)
     acc = i / (t + EPS)

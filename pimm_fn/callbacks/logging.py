@@ -1,6 +1,6 @@
 """Metric writers: TensorBoard (tensorboardX), W&B (optional) and the text log ``train.log``.
 
-Tags follow the seed: ``train_batch/<k>`` per step, ``params/lr`` for the learning rate,
+Tags follow Pointcept: ``train_batch/<k>`` per step, ``params/lr`` for the learning rate,
 ``train/<k>`` epoch averages, ``val/<k>`` (or ``<name>/<k>``) evaluation metrics.
 
 Step metrics arrive in blocks (:class:`~pimm_fn.events.StepBlock`, a few per second), are
@@ -56,7 +56,7 @@ def _numbers(rows):
     for i, (_, metrics) in enumerate(rows):
         for k, v in metrics.items():
             if isinstance(v, torch.Tensor):
-                if v.numel() == 1:  # the seed drops large tensors from the writer
+                if v.numel() == 1:  # Pointcept drops large tensors from the writer
                     flat.append(v.detach().reshape(()).double().to(flat[0].device if flat else v.device))
                     index.append((i, k))
                     out[i][1][k] = None  # keeps the row's key order; filled below
@@ -170,7 +170,7 @@ class TensorBoard(_Buffered):
     thread in batches of ``sync_every`` steps (one host sync and one file write per batch,
     one event per step holding all its scalars) and flushed before every checkpoint.
 
-    every_steps: log every n-th step (1: each step, as the seed). Use :meth:`add_scalar`
+    every_steps: log every n-th step (1: each step, as in Pointcept). Use :meth:`add_scalar`
     for your own scalars.
     """
 
@@ -272,7 +272,7 @@ class WandB(_Buffered):
 
     mode: ``"offline"`` writes locally (``wandb sync`` uploads later); id + resume="allow"
     continue a run across restarts (wandb drops steps it has already seen). notes: e.g. the
-    launch command, as the seed does.
+    launch command, as Pointcept does.
     """
 
     def __init__(self, project: Optional[str] = None, *, name=None, group=None, job_type=None, id=None,

@@ -2,7 +2,7 @@
 
 ``fit`` itself wraps the data fetch, the step and each callback in
 ``torch.profiler.record_function`` spans (while a profiler records), and Checkpoint wraps
-its writes; this callback adds the seed's instants (training start / end / already complete
+its writes; this callback adds Pointcept's instants (training start / end / already complete
 / loader exhausted) and batch statistics (clouds = ``len(offset)``, points =
 ``coord.shape[0]``; shapes only, no device sync) every n steps.
 """

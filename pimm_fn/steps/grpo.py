@@ -1,6 +1,6 @@
 """The GRPO step: sample a group of trajectories per input, score them, update the policy P times.
 
-Replaces the seed's GRPOTrainer (seed-behaviour.md items 14-18). A GRPO step is a
+Replaces Pointcept's GRPOTrainer (seed-behaviour.md items 14-18). A GRPO step is a
 :class:`pimm_fn.compile.Step`: its host ``prepare`` is the rollout and its pure core the
 update, so ``compile_step``, ``explain_step``, ``distributed.wrap_step`` and
 ``bench.benchmark_step`` take it like any other step. One call
@@ -23,7 +23,7 @@ update, so ``compile_step``, ``explain_step``, ``distributed.wrap_step`` and
    step's does; ``grad_transform`` (the data-parallel all-reduce) applies there.
 
 The optimizer's own count advances P times per batch, so schedules count optimizer
-updates (size them ``batches * epochs * P``, as the seed does). The frozen reference
+updates (size them ``batches * epochs * P``, as Pointcept does). The frozen reference
 params live in ``state.extra["grpo_ref"]`` (see :func:`with_reference`); everything a
 mid-run resume needs (params, optimizer state, reference, RNG key, cursor) is in the state.
 

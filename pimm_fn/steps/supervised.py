@@ -1,6 +1,6 @@
 """The supervised step: forward, backward, (unscale), clip, optimizer update, all pure.
 
-Replaces the seed trainer's ``run_step``. The step reads the model only through
+Replaces Pointcept's ``run_step``. The step reads the model only through
 ``functional_call``; BatchNorm statistics come back in the new state's buffers.
 """
 from __future__ import annotations
