@@ -238,7 +238,7 @@ def test_stop_on_non_finite_names_step_and_batch(data):
     with pytest.warns(RuntimeWarning, match="nan at step 3"):
         res = fit(make_state(), PermLoader(*data), nan_at_3, epochs=2, callbacks=[StopOnNonFinite(), rec])
     assert res.status == "stopped" and int(res.state.step) == 3
-    assert "batch of 8 samples" in res.stop_reason and "epoch 0, iteration 2" in res.stop_reason
+    assert "batch of 8 samples" in res.stop_reason and "epoch 0, position 2" in res.stop_reason
     # batched checks: still names step 3, stops at the next check
     with pytest.warns(RuntimeWarning, match="at step 3"):
         res = fit(make_state(), PermLoader(*data), nan_at_3, epochs=2, callbacks=[StopOnNonFinite(check_every=4)])

@@ -359,8 +359,8 @@ class TextLog(Callback):
         self._reset()
         self._epochs = event.epochs
         self._ipe = event.iters_per_epoch
-        self._left_at_start = (event.epochs - event.epoch) * event.iters_per_epoch - event.iteration
-        where = f"resuming at epoch {event.epoch} iteration {event.iteration} (step {event.step})" \
+        self._left_at_start = (event.epochs - event.epoch) * event.iters_per_epoch - event.position
+        where = f"resuming at epoch {event.epoch} position {event.position} (step {event.step})" \
             if event.resumed else "from scratch"
         self.log(f">>> Start training {where}: {event.epochs} epochs x {event.iters_per_epoch} steps, "
                  f"host {socket.gethostname()}")
