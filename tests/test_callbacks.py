@@ -91,6 +91,43 @@ def test_tensorboard_huge_and_bool_values_read_back(tmp_path):
     assert [(s.step, s.value) for s in acc.Scalars("train_batch/n")] == [(2, 3.0)]
 
 
+def _event_records(folder):
+    """The records of the one event file in ``folder``, wall times zeroed (they differ per run)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    (path,) = [os.path.join(folder, f) for f in os.listdir(folder)]
+    raw, out, i = open(path, "rb").read(), [], 0
+    while i < len(raw):
+        n = int.from_bytes(raw[i:i + 8], "little")
+        e = Event.FromString(raw[i + 12:i + 12 + n])
+        e.wall_time = 0
+        out.append(e)
+        i += 12 + n + 4
+    return out
+
+
+def test_tensorboard_writer_thread_writes_what_the_training_thread_would(data, tmp_path):
+    for background in (True, False):
+        fit(make_state(), PermLoader(*data), step_fn, epochs=2,
+            callbacks=[TensorBoard(tmp_path / str(background), sync_every=4, background=background)])
+    threaded, inline = _event_records(tmp_path / "True"), _event_records(tmp_path / "False")
+    assert len(threaded) > 10 and threaded == inline
+
+
+def test_tensorboard_writer_error_surfaces_on_the_training_thread(tmp_path):
+    tb = TensorBoard(tmp_path, sync_every=1)
+    tb._open()
+    tb._wait()
+    tb._file._f.close()  # the writer's next write fails (as a full disk would)
+    tb._rows = [(1, {"loss": torch.tensor(0.5)})]
+    tb.drain()  # handed over; the error happens on the writer thread
+    with pytest.raises(ValueError, match="closed file"):
+        tb._flush()  # ... and is raised here, before a checkpoint would be written
+    with pytest.raises(ValueError):
+        tb._close()  # the broken file cannot be closed cleanly either; the thread is gone
+    assert tb._worker is None and tb._file is None
+
+
 def test_tensorboard_every_n_steps(data, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
