@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-import time
 from typing import Optional
 
 import torch
