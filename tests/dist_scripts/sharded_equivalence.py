@@ -2,7 +2,8 @@
 
 BatchNorm normalises with per-rank batch statistics, so the one-process reference that sees
 the same global batch is ``supervised(accumulate=2)`` over [rank 0's batch, rank 1's batch]:
-the same mean gradient. Also checks sharded == data_parallel (params and synced buffers),
+the same mean gradient. Also records the state's layout on every rank (DTensor params and
+AdamW moments, Shard(0), uneven local rows), the graph-break counter, and checks sharded == data_parallel (params and synced buffers),
 that each rank holds 1/2 of the state, the compile (fullgraph, 1 compile) and that a
 non-finite gradient on one rank skips the step on both. Writes
 sharded_results.json.
@@ -11,6 +12,7 @@ import os
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import _common as C
 import pimm_fn.distributed as D
@@ -37,8 +39,22 @@ def main():
     step = compile_step(S.sharded(clip_grad=0.5, sync_buffers=True))
     for b in batches:
         sh, m = step(sh, b)
+    # the state stays DTensors: params Shard(0) of their own shape (uneven rows: fc1 15 -> 8 + 7),
+    # AdamW's moments with the same placement and local rows
+    layout = {}
+    for k, p in sh.params.items():
+        mu, nu = sh.opt_state.mu[k], sh.opt_state.nu[k]
+        layout[k] = {"dtensor": all(isinstance(t, DTensor) for t in (p, mu, nu)),
+                     "placement": str(p.placements[0]), "shape": list(p.shape),
+                     "local": list(p.to_local().shape),
+                     "moments_match": all(t.placements == p.placements and t.to_local().shape == p.to_local().shape
+                                          for t in (mu, nu))}
+    graph_breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    per_rank = [None] * ctx.world_size
+    torch.distributed.all_gather_object(per_rank, {"layout": layout, "bytes": S.state_bytes(sh)})
     res = {"rank": ctx.rank, "steps": len(batches), "compile_count": step.compile_count,
-           "bytes_full": S.state_bytes(full0), "bytes_sharded": S.state_bytes(sh)}
+           "layout": [r["layout"] for r in per_rank], "graph_breaks": graph_breaks,
+           "bytes_full": S.state_bytes(full0), "bytes_sharded": [r["bytes"] for r in per_rank]}
     full = S.unshard(sh)
 
     dp, dp_step = fresh(), D.data_parallel(clip_grad=0.5, sync_buffers=True)
