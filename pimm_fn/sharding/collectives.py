@@ -85,7 +85,8 @@ def reduce_scatter_rows(grads: dict, specs: dict, ctx: D.DistContext) -> dict:
             pad = world * c * row - flat.numel()
             rows.append((torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).view(world, c * row))
         # column block j of the (world, total) layout is param j, row r is rank r's rows of it
-        mine = _wait(funcol.reduce_scatter_tensor(torch.cat(rows, dim=1).reshape(-1), "sum", 0, ctx.group))
+        scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor  # renamed in 2.13
+        mine = _wait(scatter(torch.cat(rows, dim=1).reshape(-1), "sum", 0, ctx.group))
         mine = mine * (1.0 / world)  # sum then scale: gloo has no AVG reduction
         offset = 0
         for k in group:

@@ -8,8 +8,10 @@ cursor, the saved world size and ``extra``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -27,6 +29,18 @@ __all__ = ["save", "restore", "HOST_FILE"]
 
 HOST_FILE = "host.pt"
 _FORMAT = "pimm_fn.sharded-dcp/1"
+
+
+def _live(ctx: D.DistContext) -> bool:
+    return ctx.is_distributed and torch.distributed.is_initialized()
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    # DCP warns that it "assumes" one process even when told so with no_dist=True
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _leaves(state: TrainState):
@@ -49,7 +63,9 @@ def save(path, state: TrainState, extra: Any = None, ctx: Optional[D.DistContext
     keys, leaves, _ = _leaves(state)
     tensors = {k: v for k, v in zip(keys, leaves) if isinstance(v, torch.Tensor)}
     host = {k: v for k, v in zip(keys, leaves) if not isinstance(v, torch.Tensor)}
-    dcp.save(tensors, checkpoint_id=tmp)  # ends with a collective: every rank has written
+    # ends with a collective: every rank has written. One process: no process group to use
+    with _quiet_single_process():
+        dcp.save(tensors, checkpoint_id=tmp, no_dist=not _live(ctx))
 
     def publish():
         torch.save({"format": _FORMAT, "host": host, "world_size": ctx.world_size, "extra": extra},
@@ -124,7 +140,8 @@ def restore(path, like: TrainState, ctx: Optional[D.DistContext] = None, *,
     missing_host = [k for k, v in zip(keys, leaves) if not isinstance(v, torch.Tensor) and k not in host]
     if missing_host:
         raise ShardingError(f"{host_file} lacks the host leaves {missing_host[:5]}: not a state of this kind")
-    dcp.load(tensors, checkpoint_id=str(path))
+    with _quiet_single_process():
+        dcp.load(tensors, checkpoint_id=str(path), no_dist=not _live(ctx))
     new = [tensors[k] if isinstance(v, torch.Tensor) else host[k] for k, v in zip(keys, leaves)]
     return optree.tree_unflatten(treedef, new), meta["extra"]
 
