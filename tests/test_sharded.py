@@ -135,6 +135,11 @@ def test_restoring_into_a_mismatched_model_names_the_keys_and_the_fix(tmp_path):
         S.restore(tmp_path / "c", _state(hidden=16))
     with pytest.raises(S.ShardingError, match=r"(?s)Missing in the checkpoint.*params/gain"):
         S.restore(tmp_path / "c", _state(model=Gain(bn=True)))
+    half = _state(hidden=15)
+    half = half.replace(params={k: v.double() for k, v in half.params.items()})
+    with pytest.raises(S.ShardingError, match=r"Type mismatches.*params/fc1.weight: checkpoint torch.float32 vs "
+                                              r"state torch.float64"):
+        S.restore(tmp_path / "c", half)
     (tmp_path / "empty").mkdir()
     with pytest.raises(S.ShardingError, match="not a sharded checkpoint.*sharding.save"):
         S.restore(tmp_path / "empty", _state())

@@ -70,9 +70,14 @@ def save(path, state: TrainState, extra: Any = None, ctx: Optional[D.DistContext
     def publish():
         torch.save({"format": _FORMAT, "host": host, "world_size": ctx.world_size, "extra": extra},
                    os.path.join(tmp, HOST_FILE))
-        if os.path.exists(path):
-            shutil.rmtree(path)
+        old = path + ".old"
+        if os.path.exists(path):  # moved aside, not deleted, until the new one is in place
+            if os.path.exists(old):
+                shutil.rmtree(old)
+            os.replace(path, old)
         os.replace(tmp, path)
+        if os.path.exists(old):
+            shutil.rmtree(old)
         return path
 
     return D.on_main(publish)
@@ -85,13 +90,21 @@ def _global_shape(t: torch.Tensor) -> tuple:
 def _check_fits(path: Path, stored: dict, tensors: dict) -> None:
     missing = [k for k in tensors if k not in stored]
     unexpected = [k for k in stored if k not in tensors]
-    shapes = [f"{k}: checkpoint {tuple(stored[k].size)} vs state {_global_shape(t)}"
-              for k, t in tensors.items() if k in stored and hasattr(stored[k], "size")
-              and tuple(stored[k].size) != _global_shape(t)]
-    if missing or unexpected or shapes:
+    shapes, dtypes = [], []
+    for k, t in tensors.items():
+        meta = stored.get(k)
+        if meta is None:
+            continue
+        if not hasattr(meta, "size"):
+            dtypes.append(f"{k}: checkpoint holds a non-tensor, state a tensor")
+        elif tuple(meta.size) != _global_shape(t):
+            shapes.append(f"{k}: checkpoint {tuple(meta.size)} vs state {_global_shape(t)}")
+        elif meta.properties.dtype != t.dtype:
+            dtypes.append(f"{k}: checkpoint {meta.properties.dtype} vs state {t.dtype}")
+    if missing or unexpected or shapes or dtypes:
         parts = [f"{path} does not fit this state (another model or optimizer?)."]
         for title, items in (("Missing in the checkpoint", missing), ("Not in this state", unexpected),
-                             ("Shape mismatches (global shapes)", shapes)):
+                             ("Shape mismatches (global shapes)", shapes), ("Type mismatches", dtypes)):
             if items:
                 parts.append(f"{title} ({len(items)}): " + "; ".join(items[:8]) + (" ..." if len(items) > 8 else ""))
         parts.append("Pass as `like` a state built from the model and optimizer of the run that wrote it "
