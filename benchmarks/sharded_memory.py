@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = (1024, 2048, 2048, 10)  # ~6.3M params
 
 
-def worker(out_path):
+def worker(out_path, sizes=SIZES):
     torch.set_num_threads(1)
     import pimm_fn.distributed as D
     import pimm_fn.sharding as S
@@ -35,7 +35,7 @@ def worker(out_path):
     class MLP(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(SIZES, SIZES[1:]))
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
 
         def forward(self, batch):
             h = batch["x"]
@@ -55,7 +55,7 @@ def worker(out_path):
     step = S.sharded(clip_grad=1.0)
     g = torch.Generator().manual_seed(ctx.rank)
     for _ in range(2):
-        batch = {"x": torch.randn(8, SIZES[0], generator=g), "y": torch.randint(0, SIZES[-1], (8,), generator=g)}
+        batch = {"x": torch.randn(8, sizes[0], generator=g), "y": torch.randint(0, sizes[-1], (8,), generator=g)}
         sh, m = step(sh, batch)
     mine = S.state_bytes(sh)
     from torch.distributed.tensor import DTensor
@@ -82,10 +82,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "sharded_memory.json"))
+    ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="MLP layer widths")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args.worker)
+        return worker(args.worker, tuple(args.sizes))
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     results = []
@@ -96,12 +97,13 @@ def main():
                 port = s.getsockname()[1]
             path = os.path.join(tmp, f"w{w}.json")
             subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={w}",
-                            f"--master_port={port}", os.path.abspath(__file__), "--worker", path],
+                            f"--master_port={port}", os.path.abspath(__file__), "--worker", path,
+                            "--sizes", *map(str, args.sizes)],
                            check=True, env=env, cwd=ROOT)
             with open(path) as f:
                 results.append(json.load(f))
     base = results[0]["per_rank"][0]["total"] * results[0]["world_size"]
-    lines = [f"model: MLP {'-'.join(map(str, SIZES))}, AdamW; bytes per rank (max over ranks)",
+    lines = [f"model: MLP {'-'.join(map(str, args.sizes))}, AdamW; bytes per rank (max over ranks)",
              f"{'world':>5} {'params MiB':>11} {'opt MiB':>9} {'total MiB':>10} {'replicated MiB':>15} "
              f"{'x 1-rank':>9} {'1/world':>8} {'peak RSS MiB':>13} {'DTensor':>8}"]
     for r in results:
@@ -115,7 +117,7 @@ def main():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from overhead import write_results
 
-    write_results({"sizes": SIZES, "results": results}, text, args.json)
+    write_results({"sizes": list(args.sizes), "results": results}, text, args.json)
 
 
 if __name__ == "__main__":

@@ -192,3 +192,26 @@ def test_step_runs_with_the_module_on_meta():
     ref, _ = supervised(clip_grad=0.5)(ref, b)
     sh, _ = S.sharded(clip_grad=0.5)(sh, b)
     assert all(torch.equal(S.unshard(sh).params[k], ref.params[k]) for k in ref.params)
+
+
+def test_memory_benchmark_per_rank_state_falls_as_one_over_world(tmp_path):
+    # benchmarks/sharded_memory.py itself, on a small MLP: one torchrun launch per world size
+    import subprocess
+
+    from test_distributed_torchrun import ROOT, _env
+
+    out = tmp_path / "mem.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sharded_memory.py"), "--worlds", "1", "2", "4",
+                           "--sizes", "64", "128", "12", "--json", str(out)],
+                          capture_output=True, text=True, timeout=400, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    res = json.loads(out.read_text())["results"]
+    one = res[0]["per_rank"][0]["total"]
+    for r in res:
+        w, ranks = r["world_size"], r["per_rank"]
+        assert len(ranks) == w and all(x["all_dtensor"] for x in ranks)
+        assert r["replicated"]["total"] == one  # data parallel would hold all of it on every rank
+        worst = max(x["total"] for x in ranks)
+        # 1/world, plus the replicated scalars (AdamW count) every rank keeps
+        assert one / w <= worst <= one / w * 1.02, (w, worst, one)
+        assert sum(x["params"] for x in ranks) == res[0]["per_rank"][0]["params"]
