@@ -153,6 +153,7 @@ def test_two_ranks_sharded_equal_one_rank_unsharded(tmp_path):
     res = json.loads((tmp_path / "sharded_results.json").read_text())
     print(res)
     assert res["steps"] == 20 and res["compile_count"] == 1 and res["graph_breaks"] == 0
+    assert res["explain"] == {"graphs": 1, "graph_breaks": 0, "break_reasons": []}
     fc1 = [layout["fc1.weight"] for layout in res["layout"]]
     assert [r["local"] for r in fc1] == [[8, 8], [7, 8]] and fc1[0]["shape"] == [15, 8]  # uneven rows
     assert all(v["dtensor"] and v["moments_match"] and v["placement"] == "S(0)"

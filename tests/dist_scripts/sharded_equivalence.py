@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 import _common as C
 import pimm_fn.distributed as D
 import pimm_fn.sharding as S
-from pimm_fn.compile import compile_step
+from pimm_fn.compile import compile_step, explain_step
 from pimm_fn.state import TrainState
 from pimm_fn.steps.supervised import supervised
 
@@ -71,6 +71,11 @@ def main():
     res["inf_skipped"] = float(m["skipped"])
     res["inf_unchanged"] = all(torch.equal(after.params[k], sh.params[k]) for k in sh.params)
     res["inf_compile_count"] = step.compile_count
+    # dynamo's own account of the sharded step (collectives and DTensor conversions inside):
+    # graph breaks and their reasons; run last, explaining resets dynamo
+    ex = explain_step(S.sharded(clip_grad=0.5, sync_buffers=True), sh, batches[0])
+    res["explain"] = {"graphs": ex.graph_count, "graph_breaks": ex.graph_break_count,
+                      "break_reasons": [str(r) for r in ex.break_reasons]}
     if ctx.is_main:
         ref, ref_step = fresh(), supervised(clip_grad=0.5, accumulate=2)
         halves = zip(C.loader(data, B, 0, 2).iter_epoch(0), C.loader(data, B, 1, 2).iter_epoch(0))
