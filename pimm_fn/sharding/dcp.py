@@ -53,7 +53,9 @@ def save(path, state: TrainState, extra: Any = None, ctx: Optional[D.DistContext
     """Save a sharded (or plain) state to the folder ``path`` with DCP: every rank writes its
     rows, nothing is gathered. A collective: every rank calls it. Written to
     ``path + '.partial'`` and renamed by rank 0 once every rank has finished, so ``path``
-    is always a complete checkpoint. Returns the path."""
+    is always a complete checkpoint. Plain tensors (step, buffers) count as replicated and
+    are written once, from one rank: sync BatchNorm buffers (``sync_buffers=True``) if
+    every rank's must be the saved ones. Returns the path."""
     ctx = D.world() if ctx is None else ctx
     path = os.fspath(path)
     tmp = path + ".partial"
