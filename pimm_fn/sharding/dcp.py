@@ -130,10 +130,11 @@ def restore(path, like: TrainState, ctx: Optional[D.DistContext] = None, *,
     ctx = D.world() if ctx is None else ctx
     path = Path(path)
     if is_sharded(like) and not (sharded and is_sharded(like, ctx.world_size)):
+        have = next(iter(like.params.values())).device_mesh.size()
+        want = f"sharded for {ctx.world_size} rank(s)" if sharded else "plain"
         raise ShardingError(
-            f"restore({path}): `like` is sharded over {next(iter(like.params.values())).device_mesh.size()} "
-            f"rank(s), but the restored state is to be {'sharded for ' + str(ctx.world_size) + ' rank(s)' if sharded else 'plain'}; "
-            "pass a full state (TrainState.create(model, tx)) as `like`")
+            f"restore({path}): `like` is sharded over {have} rank(s), but the restored state is to be "
+            f"{want}; pass a full state (TrainState.create(model, tx)) as `like`")
     if path.is_file():
         full, extra = checkpoint.restore(path, like if not is_sharded(like) else _template(like))
         return (shard(full, ctx) if sharded else full), extra

@@ -3,10 +3,10 @@
 BatchNorm normalises with per-rank batch statistics, so the one-process reference that sees
 the same global batch is ``supervised(accumulate=2)`` over [rank 0's batch, rank 1's batch]:
 the same mean gradient. Also records the state's layout on every rank (DTensor params and
-AdamW moments, Shard(0), uneven local rows), the graph-break counter, and checks sharded == data_parallel (params and synced buffers),
-that each rank holds 1/2 of the state, the compile (fullgraph, 1 compile) and that a
-non-finite gradient on one rank skips the step on both. Writes
-sharded_results.json.
+AdamW moments, Shard(0), uneven local rows), the graph-break counter and dynamo's explain,
+and checks sharded == data_parallel (params and synced buffers), the bytes each rank
+holds, the compile (fullgraph, 1 compile) and that a non-finite gradient on one rank
+skips the step on both. Writes sharded_results.json.
 """
 import os
 import time

@@ -2,7 +2,8 @@
 world size's step-10 checkpoint and finish; the resumed run must end where the writer did.
 
 argv: out_dir, tag of this run's files (w1 / w2), tag to resume from (or "-").
-The model has a 0-dim param (Replicate()). No BatchNorm here: 2 ranks x batch B then equal 1 rank x batch 2B (the global batch).
+The model has a 0-dim param (Replicate()). No BatchNorm here: 2 ranks x batch B then
+equal 1 rank x batch 2B (the global batch).
 A 1-rank resume also restores the checkpoint into a plain unsharded state
 (``sharded=False``) and continues it with ``supervised``, to the same params.
 """
