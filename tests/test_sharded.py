@@ -167,6 +167,17 @@ def test_two_ranks_sharded_equal_one_rank_unsharded(tmp_path):
     assert max(b["total"] for b in per_rank) < 0.53 * full["total"]  # 8 of 15 rows at most
 
 
+def test_four_ranks_with_an_empty_shard_equal_data_parallel(tmp_path):
+    rc, out, _ = torchrun("sharded_world4.py", tmp_path, nproc=4, timeout=400)
+    assert rc == 0, out[-4000:]
+    res = json.loads((tmp_path / "sharded_world4.json").read_text())
+    print(res)
+    ranks = res["ranks"]
+    assert res["steps"] == 10 and [r["rows"]["bn.weight"] for r in ranks] == [2, 2, 1, 0]
+    assert all(r["compile_count"] == 1 for r in ranks) and ranks[0]["moved"] > 0.1
+    assert max(r["vs_data_parallel_params"] for r in ranks) <= 1e-5
+
+
 def test_checkpoints_resume_on_another_world_size(tmp_path):
     for nproc, args in ((2, ("w2", "-")), (1, ("w1", "w2")), (1, ("w1", "-")), (2, ("w2", "w1"))):
         rc, out, _ = torchrun("sharded_resume.py", tmp_path, *args, nproc=nproc)
