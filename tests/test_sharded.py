@@ -34,9 +34,12 @@ class Gain(C.MLP):
         return out
 
 
-def _state(bn=True, hidden=15, model=None):
+def _state(bn=True, hidden=15, model=None, loss_scale=None):
+    """A fresh full state; model: a module class / factory, built after seeding (so two
+    calls give the same weights)."""
     torch.manual_seed(0)
-    return TrainState.create(model or C.MLP(bn=bn, hidden=hidden), C.optimizer("adamw", 0.05), seed=0)
+    module = model() if model is not None else C.MLP(bn=bn, hidden=hidden)
+    return TrainState.create(module, C.optimizer("adamw", 0.05), seed=0, loss_scale=loss_scale)
 
 
 def _batch(n=16):
@@ -45,7 +48,7 @@ def _batch(n=16):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_shards_are_dtensors_in_dtensors_own_uneven_layout(world):
-    full = _state(model=Gain(bn=True, hidden=5))  # 5 rows over 4 ranks: 2, 2, 1, 0
+    full = _state(model=lambda: Gain(bn=True, hidden=5))  # 5 rows over 4 ranks: 2, 2, 1, 0
     ranks = [S.shard(full, DistContext(rank=r, world_size=world)) for r in range(world)]
     for k, p in full.params.items():
         for r, sh in enumerate(ranks):
@@ -70,16 +73,18 @@ def test_shards_are_dtensors_in_dtensors_own_uneven_layout(world):
     assert sum(bytes_) == S.state_bytes(full)["params"] + 4 * (world - 1)  # only the 0-dim gain repeats
 
 
-def test_world_one_sharded_equals_supervised_bitwise():
-    ref, sh = _state(model=Gain(bn=True)), S.shard(_state(model=Gain(bn=True)))
+@pytest.mark.parametrize("loss_scale", [None, True])
+def test_world_one_sharded_equals_supervised_bitwise(loss_scale):
+    ref = _state(model=lambda: Gain(bn=True), loss_scale=loss_scale)
+    sh = S.shard(_state(model=lambda: Gain(bn=True), loss_scale=loss_scale))
     ref_step, step = supervised(clip_grad=0.5), S.sharded(clip_grad=0.5)
     for b in list(C.loader(C.dataset(48), 8, 0, 1).iter_epoch(0)):
         ref, _ = ref_step(ref, b)
         sh, m = step(sh, b)
     assert all(isinstance(v, DTensor) for v in optree.tree_leaves((sh.params, sh.opt_state.mu)))
     full = S.unshard(sh)
-    for a, b in zip(optree.tree_leaves((full.params, full.buffers, full.opt_state)),
-                    optree.tree_leaves((ref.params, ref.buffers, ref.opt_state))):
+    for a, b in zip(optree.tree_leaves((full.params, full.buffers, full.opt_state, full.loss_scale)),
+                    optree.tree_leaves((ref.params, ref.buffers, ref.opt_state, ref.loss_scale))):
         assert not isinstance(a, DTensor) and torch.equal(a, b)
     assert set(m) >= {"loss", "grad_norm", "skipped", "samples"}
 
@@ -134,7 +139,7 @@ def test_restoring_into_a_mismatched_model_names_the_keys_and_the_fix(tmp_path):
                                               r"\(15, 8\) vs state \(16, 8\).*TrainState.create"):
         S.restore(tmp_path / "c", _state(hidden=16))
     with pytest.raises(S.ShardingError, match=r"(?s)Missing in the checkpoint.*params/gain"):
-        S.restore(tmp_path / "c", _state(model=Gain(bn=True)))
+        S.restore(tmp_path / "c", _state(model=lambda: Gain(bn=True)))
     half = _state(hidden=15)
     half = half.replace(params={k: v.double() for k, v in half.params.items()})
     with pytest.raises(S.ShardingError, match=r"Type mismatches.*params/fc1.weight: checkpoint torch.float32 vs "
