@@ -1,11 +1,12 @@
-"""Per-rank bytes of params + optimizer state, sharded (pimm_fn.sharding) vs replicated
-(data parallel), at world 1, 2 and 4 under torchrun (gloo, CPU).
+"""Per-rank bytes of params + optimizer state, sharded (pimm_fn.sharding: DTensor Shard(0)
+params and AdamW moments) vs replicated (data parallel), at world 1, 2 and 4 under
+torchrun (gloo, CPU).
 
     PYTHONPATH=. python benchmarks/sharded_memory.py [--worlds 1 2 4] [--json benchmarks/results/sharded_memory.json]
 
 Each world size is one torchrun launch; every rank builds an MLP (AdamW), shards the state,
 runs 2 sharded steps (so the numbers are of a state that trained) and reports the sum of its
-local tensors' nbytes. The full params gathered for the forward and the gradients are
+DTensors' local tensors' nbytes (``to_local()``: the rows this rank holds). The full params gathered for the forward and the gradients are
 transient (freed after the step) and not counted: this is the resident training state.
 The peak RSS column (whole process: torch itself, the full model object, the transient
 full params and gradients of a step) shows what sharding does not shrink.
@@ -24,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = (1024, 2048, 2048, 10)  # ~6.3M params
 
 
-def worker(out_path):
+def worker(out_path, sizes=SIZES):
     torch.set_num_threads(1)
     import pimm_fn.distributed as D
     import pimm_fn.sharding as S
@@ -34,7 +35,7 @@ def worker(out_path):
     class MLP(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(SIZES, SIZES[1:]))
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
 
         def forward(self, batch):
             h = batch["x"]
@@ -54,9 +55,14 @@ def worker(out_path):
     step = S.sharded(clip_grad=1.0)
     g = torch.Generator().manual_seed(ctx.rank)
     for _ in range(2):
-        batch = {"x": torch.randn(8, SIZES[0], generator=g), "y": torch.randint(0, SIZES[-1], (8,), generator=g)}
+        batch = {"x": torch.randn(8, sizes[0], generator=g), "y": torch.randint(0, sizes[-1], (8,), generator=g)}
         sh, m = step(sh, batch)
     mine = S.state_bytes(sh)
+    from torch.distributed.tensor import DTensor
+
+    leaves = list(sh.params.values()) + [sh.opt_state.mu[k] for k in sh.params] + [sh.opt_state.nu[k] for k in sh.params]
+    mine["all_dtensor"] = all(isinstance(t, DTensor) for t in leaves)
+    mine["local_rows"] = {k: v.to_local().shape[0] for k, v in sh.params.items() if v.dim()}
     import resource
 
     mine["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
@@ -76,10 +82,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "sharded_memory.json"))
+    ap.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="MLP layer widths")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args.worker)
+        return worker(args.worker, tuple(args.sizes))
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     results = []
@@ -90,25 +97,27 @@ def main():
                 port = s.getsockname()[1]
             path = os.path.join(tmp, f"w{w}.json")
             subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={w}",
-                            f"--master_port={port}", os.path.abspath(__file__), "--worker", path],
+                            f"--master_port={port}", os.path.abspath(__file__), "--worker", path,
+                            "--sizes", *map(str, args.sizes)],
                            check=True, env=env, cwd=ROOT)
             with open(path) as f:
                 results.append(json.load(f))
     base = results[0]["per_rank"][0]["total"] * results[0]["world_size"]
-    lines = [f"model: MLP {'-'.join(map(str, SIZES))}, AdamW; bytes per rank (max over ranks)",
+    lines = [f"model: MLP {'-'.join(map(str, args.sizes))}, AdamW; bytes per rank (max over ranks)",
              f"{'world':>5} {'params MiB':>11} {'opt MiB':>9} {'total MiB':>10} {'replicated MiB':>15} "
-             f"{'x 1-rank':>9} {'1/world':>8} {'peak RSS MiB':>13}"]
+             f"{'x 1-rank':>9} {'1/world':>8} {'peak RSS MiB':>13} {'DTensor':>8}"]
     for r in results:
         worst = max(r["per_rank"], key=lambda x: x["total"])
         lines.append(f"{r['world_size']:>5} {worst['params'] / 2**20:>11.2f} {worst['opt_state'] / 2**20:>9.2f} "
                      f"{worst['total'] / 2**20:>10.2f} {r['replicated']['total'] / 2**20:>15.2f} "
                      f"{worst['total'] / base:>9.3f} {1 / r['world_size']:>8.3f} "
-                     f"{max(x['peak_rss'] for x in r['per_rank']) / 2**20:>13.0f}")
+                     f"{max(x['peak_rss'] for x in r['per_rank']) / 2**20:>13.0f} "
+                     f"{str(all(x['all_dtensor'] for x in r['per_rank'])):>8}")
     text = "\n".join(lines)
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from overhead import write_results
 
-    write_results({"sizes": SIZES, "results": results}, text, args.json)
+    write_results({"sizes": list(args.sizes), "results": results}, text, args.json)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from pimm_fn import optim, schedules
-from pimm_fn.compile import compile_step
+from pimm_fn import optim, recipes, schedules
 from pimm_fn.data import DigitsImages, build_eval_loader, build_train_loader, image_collate
-from pimm_fn.distributed import data_parallel
 from pimm_fn.experiment import Run
 from pimm_fn.metrics import accuracy_counts
 from pimm_fn.state import TrainState
@@ -107,9 +105,7 @@ def build(settings: dict, ctx) -> Run:
     lr = schedules.linear_warmup(schedules.cosine(total, s["lr"], eta_min=s["lr"] / 100), warmup, 0.1)
     tx = optim.adamw(lr=lr, weight_decay=s["weight_decay"])
     state = TrainState.create(model, tx, seed=s["seed"])
-    step = data_parallel()
-    if s["compile"]:
-        step = compile_step(step)
+    step = recipes.supervised_step(compile=s["compile"])
     return Run(state=state, loader=train_loader, step=step, epochs=s["epochs"],
                evaluate=lambda st: evaluate(st, val_loader), best_metric="acc", best_mode="max",
                render=lambda st, png: render(st, val_loader, png), eval_every_epochs=1)

@@ -41,12 +41,9 @@ from __future__ import annotations
 
 import torch
 
-from pimm_fn import optim, schedules
-from pimm_fn.compile import compile_step
+from pimm_fn import recipes
 from pimm_fn.data import FrogTissueBlocks, build_eval_loader, build_train_loader, transforms as T
-from pimm_fn.distributed import data_parallel
 from pimm_fn.experiment import Run
-from pimm_fn.metrics import intersection_and_union, segmentation_scores
 from pimm_fn.models import PointSegNet
 from pimm_fn.state import TrainState
 from pimm_fn.steps.common import eval_forward
@@ -102,22 +99,6 @@ def transform(s: dict, mode: str):
                      scale_coord(s["coord_scale"]), T.assemble_feat(("coord", "position")))
 
 
-def evaluate(state: TrainState, loader) -> dict:
-    """mIoU and mAcc (all 16 classes), mIoU_present and mAcc_present, allAcc over every original validation point."""
-    inter = union = target = 0
-    for batch in loader.iter_epoch(0, 0):
-        out = eval_forward(state, {k: batch[k] for k in _INPUT_KEYS})
-        pred = out["seg_logits"].argmax(-1)[batch["inverse"]]
-        i, u, t = intersection_and_union(pred, batch["origin_segment"], NUM_CLASSES)
-        inter, union, target = inter + i, union + u, target + t
-    scores = segmentation_scores(inter, union, target, CLASS_NAMES)
-    present = target > 0
-    iou = inter.double() / (union.double() + 1e-10)
-    acc = inter.double() / (target.double() + 1e-10)
-    return {"mIoU": scores["mIoU"], "mIoU_present": float(iou[present].mean()),
-            "mAcc": scores["mAcc"], "mAcc_present": float(acc[present].mean()), "allAcc": scores["allAcc"]}
-
-
 def render(state: TrainState, loader, png) -> None:
     """A side view (x-z) of the first validation block: prediction beside ground truth."""
     import matplotlib
@@ -159,15 +140,14 @@ def build(settings: dict, ctx) -> Run:
     model = PointSegNet(in_channels=6, num_classes=NUM_CLASSES, width=s["width"], strides=(2, 4, 8, 16),
                         class_weights=weights)
     total = len(train_loader) * s["epochs"]
-    tx = optim.adamw(lr=schedules.one_cycle(total, s["lr"], pct_start=s["pct_start"], div_factor=10,
-                                            final_div_factor=1000),
-                     weight_decay=s["weight_decay"],
-                     b1=schedules.one_cycle_momentum(total, pct_start=s["pct_start"]))
+    tx = recipes.adamw_one_cycle(total, s["lr"], weight_decay=s["weight_decay"], pct_start=s["pct_start"])
     state = TrainState.create(model, tx, seed=s["seed"])
-    step = data_parallel(clip_grad=s["clip_grad"])
-    if s["compile"]:
-        step = compile_step(step)
+    step = recipes.supervised_step(clip_grad=s["clip_grad"], compile=s["compile"])
+    # mIoU and mAcc over all 16 classes, their means over the classes present in the
+    # validation blocks, allAcc: over every original validation point.
+    evaluate = recipes.segmentation_eval(val_loader, _INPUT_KEYS, NUM_CLASSES, CLASS_NAMES, present=True,
+                                         per_class=False)
     return Run(state=state, loader=train_loader, step=step, epochs=s["epochs"],
-               evaluate=lambda st: evaluate(st, val_loader), best_metric="mIoU", best_mode="max",
+               evaluate=evaluate, best_metric="mIoU", best_mode="max",
                render=lambda st, png: render(st, val_loader, png),
                eval_every_epochs=max(1, s["epochs"] // 10))

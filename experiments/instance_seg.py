@@ -24,11 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pimm_fn import optim, schedules
-from pimm_fn.compile import compile_step
+from pimm_fn import recipes
 from pimm_fn.data import InstanceCollate, SyntheticScenes, build_eval_loader, build_train_loader, transforms as T
 from pimm_fn.data.datasets import SYNTHETIC_CLASSES
-from pimm_fn.distributed import data_parallel
 from pimm_fn.experiment import Run
 from pimm_fn.metrics import intersection_and_union, segmentation_scores
 from pimm_fn.models import PointSegNet
@@ -188,14 +186,9 @@ def build(settings: dict, ctx) -> Run:
     model = InstanceSegNet(in_channels=3, num_classes=NUM_CLASSES, width=s["width"], strides=(2, 4, 8, 16),
                            offset_weight=s["offset_weight"])
     total = len(train_loader) * s["epochs"]
-    tx = optim.adamw(lr=schedules.one_cycle(total, s["lr"], pct_start=s["pct_start"], div_factor=10,
-                                            final_div_factor=1000),
-                     weight_decay=s["weight_decay"],
-                     b1=schedules.one_cycle_momentum(total, pct_start=s["pct_start"]))
+    tx = recipes.adamw_one_cycle(total, s["lr"], weight_decay=s["weight_decay"], pct_start=s["pct_start"])
     state = TrainState.create(model, tx, seed=s["seed"])
-    step = data_parallel(clip_grad=s["clip_grad"])
-    if s["compile"]:
-        step = compile_step(step)
+    step = recipes.supervised_step(clip_grad=s["clip_grad"], compile=s["compile"])
     return Run(state=state, loader=train_loader, step=step, epochs=s["epochs"],
                evaluate=lambda st: evaluate(st, val_loader, s["hit_radius"]), best_metric="mIoU", best_mode="max",
                render=lambda st, png: render(st, val_loader, png),

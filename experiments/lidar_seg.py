@@ -12,16 +12,12 @@ and per-group settings, gradient clipping. Validation: mIoU over every original 
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
-from pimm_fn import optim, schedules
-from pimm_fn.compile import compile_step
+from pimm_fn import recipes
 from pimm_fn.data import LidarBlocks, build_eval_loader, build_train_loader, transforms as T
-from pimm_fn.distributed import data_parallel
 from pimm_fn.experiment import Run
-from pimm_fn.metrics import intersection_and_union, segmentation_scores
 from pimm_fn.models import PointSegNet
 from pimm_fn.state import TrainState
 from pimm_fn.steps.common import eval_forward
@@ -58,18 +54,6 @@ def transform(grid_size: float, mode: str):
                      T.assemble_feat(("coord", "intensity")))
 
 
-def evaluate(state: TrainState, loader) -> dict:
-    """mIoU / mAcc / allAcc over every original point of the validation blocks."""
-    inter = union = target = 0
-    for batch in loader.iter_epoch(0, 0):
-        out = eval_forward(state, {k: batch[k] for k in _INPUT_KEYS})
-        pred = out["seg_logits"].argmax(-1)[batch["inverse"]]
-        i, u, t = intersection_and_union(pred, batch["origin_segment"], LidarBlocks.num_classes)
-        inter, union, target = inter + i, union + u, target + t
-    scores = segmentation_scores(inter, union, target, LidarBlocks.class_names)
-    return {k: float(scores[k]) for k in ("mIoU", "mAcc", "allAcc")}
-
-
 def render(state: TrainState, loader, png) -> None:
     """The first validation block coloured by prediction beside its ground truth."""
     from pimm_fn.report import render_point_cloud
@@ -94,20 +78,15 @@ def build(settings: dict, ctx) -> Run:
     model = PointSegNet(in_channels=4, num_classes=LidarBlocks.num_classes, width=s["width"],
                         deterministic=s["deterministic"])
     total = len(train_loader) * s["epochs"]
-
-    def cycle(max_lr):
-        return schedules.one_cycle(total, max_lr, pct_start=s["pct_start"], div_factor=10, final_div_factor=1000)
-
-    # The seed's param_dicts: the head gets its own peak lr; every group cycles beta1.
-    tx = optim.grouped(optim.adamw, [{"keyword": "head", "lr": s["head_lr"], "name": "head"}],
-                       lr=s["lr"], weight_decay=s["weight_decay"], lr_schedule=cycle,
-                       b1=schedules.one_cycle_momentum(total, pct_start=s["pct_start"]))
+    # Pointcept's param_dicts: the head gets its own peak lr; every group cycles beta1.
+    tx = recipes.adamw_one_cycle(total, s["lr"], weight_decay=s["weight_decay"], pct_start=s["pct_start"],
+                                 groups=[{"keyword": "head", "lr": s["head_lr"], "name": "head"}])
     amp = s["amp"] or None
     state = TrainState.create(model, tx, seed=s["seed"], loss_scale=(amp == "float16"))
-    step = data_parallel(clip_grad=s["clip_grad"], autocast=amp)
-    if s["compile"]:
-        step = compile_step(step)
+    step = recipes.supervised_step(clip_grad=s["clip_grad"], autocast=amp, compile=s["compile"])
     return Run(state=state, loader=train_loader, step=step, epochs=s["epochs"],
-               evaluate=lambda st: evaluate(st, val_loader), best_metric="mIoU", best_mode="max",
+               evaluate=recipes.segmentation_eval(val_loader, _INPUT_KEYS, LidarBlocks.num_classes,
+                                                  LidarBlocks.class_names),
+               best_metric="mIoU", best_mode="max",
                render=lambda st, png: render(st, val_loader, png),
                eval_every_epochs=max(1, s["epochs"] // 10))

@@ -26,14 +26,11 @@ from __future__ import annotations
 
 import torch
 
-from pimm_fn import optim, schedules
-from pimm_fn.compile import compile_step
+from pimm_fn import recipes
 from pimm_fn.data import (
     LidarBlocks, MultiDatasetLoader, SyntheticScenes, build_eval_loader, build_train_loader, transforms as T,
 )
-from pimm_fn.distributed import data_parallel
 from pimm_fn.experiment import Run
-from pimm_fn.metrics import intersection_and_union
 from pimm_fn.models import PointSegNet
 from pimm_fn.state import TrainState
 from pimm_fn.steps.common import eval_forward
@@ -95,22 +92,17 @@ def transform(table: torch.Tensor, grid_size: float, mode: str):
                      T.assemble_feat(("coord",)), keep_keys(*keys))
 
 
-def miou(state: TrainState, loader, classes) -> float:
-    """mIoU over ``classes`` (shared ids) on every original point of a validation set."""
-    inter = union = 0
-    for batch in loader.iter_epoch(0, 0):
-        out = eval_forward(state, {k: batch[k] for k in _INPUT_KEYS})
-        pred = out["seg_logits"].argmax(-1)[batch["inverse"]]
-        i, u, _ = intersection_and_union(pred, batch["origin_segment"], NUM_CLASSES)
-        inter, union = inter + i, union + u
-    iou = inter.double() / (union.double() + 1e-10)
-    return float(iou[classes].mean())
+def evaluate(lidar_val, synthetic_val):
+    """mIoU over each data set's own classes (shared ids) on every original point, and their mean."""
+    lidar = recipes.segmentation_eval(lidar_val, _INPUT_KEYS, NUM_CLASSES, classes=LIDAR_CLASSES, per_class=False)
+    synthetic = recipes.segmentation_eval(synthetic_val, _INPUT_KEYS, NUM_CLASSES, classes=SYNTHETIC_CLASSES,
+                                          per_class=False)
 
+    def scores(state) -> dict:
+        a, b = lidar.metrics(state)["mIoU"], synthetic.metrics(state)["mIoU"]
+        return {"mIoU": (a + b) / 2, "lidar_mIoU": a, "synthetic_mIoU": b}
 
-def evaluate(state: TrainState, lidar_val, synthetic_val) -> dict:
-    lidar = miou(state, lidar_val, LIDAR_CLASSES)
-    synthetic = miou(state, synthetic_val, SYNTHETIC_CLASSES)
-    return {"mIoU": (lidar + synthetic) / 2, "lidar_mIoU": lidar, "synthetic_mIoU": synthetic}
+    return scores
 
 
 def render(state: TrainState, loader, png) -> None:
@@ -142,15 +134,10 @@ def build(settings: dict, ctx) -> Run:
     model = PointSegNet(in_channels=3, num_classes=NUM_CLASSES, width=s["width"])
     iters = 2 if ctx.quick else len(loader)
     total = iters * s["epochs"]
-    tx = optim.adamw(lr=schedules.one_cycle(total, s["lr"], pct_start=s["pct_start"], div_factor=10,
-                                            final_div_factor=1000),
-                     weight_decay=s["weight_decay"],
-                     b1=schedules.one_cycle_momentum(total, pct_start=s["pct_start"]))
+    tx = recipes.adamw_one_cycle(total, s["lr"], weight_decay=s["weight_decay"], pct_start=s["pct_start"])
     state = TrainState.create(model, tx, seed=s["seed"])
-    step = data_parallel(clip_grad=s["clip_grad"])
-    if s["compile"]:
-        step = compile_step(step)
+    step = recipes.supervised_step(clip_grad=s["clip_grad"], compile=s["compile"])
     return Run(state=state, loader=loader, step=step, epochs=s["epochs"],
-               evaluate=lambda st: evaluate(st, lidar_val, synthetic_val), best_metric="mIoU", best_mode="max",
+               evaluate=evaluate(lidar_val, synthetic_val), best_metric="mIoU", best_mode="max",
                render=lambda st, png: render(st, lidar_val, png), iters_per_epoch=2 if ctx.quick else None,
                eval_every_epochs=max(1, s["epochs"] // 10))

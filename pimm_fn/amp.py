@@ -32,6 +32,20 @@ class LossScaleConfig:
     growth_interval: int = 2000
 
 
+def renamed_loss_scale(value, builder: str) -> None:
+    """Reject the old ``loss_scale=`` keyword of a step builder with the fix in the message.
+
+    A step builder's setting is ``loss_scale_config`` (growth / backoff); ``loss_scale`` is
+    the state's (``TrainState.create(..., loss_scale=True)`` turns scaling on).
+    """
+    if value is not None:
+        raise TypeError(
+            f"{builder}(loss_scale=...) is now {builder}(loss_scale_config=LossScaleConfig(...)): "
+            "the step holds the growth / backoff settings; whether scaling is on is the state's "
+            "(TrainState.create(..., loss_scale=True))."
+        )
+
+
 def init_loss_scale(init_scale: float = 2.0**16, device=None) -> LossScaleState:
     """The initial loss-scale state (GradScaler's ``init_scale``)."""
     return LossScaleState(

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-import torch
 
 from .experiment import ExperimentError, Run, RunContext, available_experiments, experiment_settings, load_experiment
 from .settings import SettingsError
@@ -149,15 +148,13 @@ def _checkpoint_error(err, path, experiment: str, settings: dict, run_folder: Op
 
 
 def _standard_callbacks(run: Run, save: Path, is_main: bool, progress: bool):
-    from .callbacks import Checkpoint, Evaluate, ProgressBar, StopOnNonFinite, TensorBoard, TextLog
+    from .callbacks import Checkpoint, ProgressBar, StopOnNonFinite, TensorBoard, TextLog
     from .report import MetricsRecord
 
     cbs: list = [StopOnNonFinite(check_every=10)]
-    if run.evaluate is not None:
-        def eval_fn(state, _batch, _evaluate=run.evaluate):
-            return {k: torch.tensor(float(v)) for k, v in _evaluate(state).items()}
-
-        cbs.append(Evaluate(eval_fn, [None], every_epochs=run.eval_every_epochs, name="val", at_end=True))
+    evaluator = run.evaluator()
+    if evaluator is not None:
+        cbs.append(evaluator)
     record = None
     if is_main:
         record = MetricsRecord(save / "metrics.jsonl", every_steps=5)
@@ -269,14 +266,14 @@ def evaluate(args) -> int:
     run = module.build(settings, RunContext(save_path=path.parent, quick=args.quick))
     if run.evaluate is None:
         raise CliError(f"experiment {args.experiment!r} defines no evaluation",
-                       "give its build() an evaluate function (Run(evaluate=...))")
+                       "give its build() an evaluation: Run(evaluate=recipes.segmentation_eval(...)), an Evaluate, or a function state -> dict")
     try:
         state, _ = ckpt.restore(path, like=run.state)
     except ckpt.CheckpointError as err:
         # a checkpoint lives in RUN/checkpoints/, beside the run's settings.json
         raise _checkpoint_error(err, path, args.experiment, settings, path.parent.parent,
                                 "pass another checkpoint to --checkpoint") from err
-    metrics = {k: float(v) for k, v in run.evaluate(state).items()}
+    metrics = run.evaluator().metrics(state)
     print(json.dumps({"checkpoint": str(args.checkpoint), "step": int(state.step), **metrics}, indent=2))
     return 0
 

@@ -33,12 +33,17 @@ class Event:
 
     step: int
 
+    @property
+    def iteration(self) -> int:
+        """The older name of ``position`` (kept so existing callbacks read on)."""
+        return self.position
+
 
 @_frozen
 class TrainStart(Event):
     """The run begins (after the already-complete check, before the first epoch).
 
-    epoch / iteration: the cursor the run starts from (iteration = batches already consumed
+    epoch / position: the cursor the run starts from (position = batches already consumed
     in that epoch); resumed: the state had made progress before this call.
     loader / callbacks / history: the training loader, the callback list and the run's
     :class:`~pimm_fn.fit.History` (or None), for callbacks that save or restore their
@@ -46,7 +51,7 @@ class TrainStart(Event):
     """
 
     epoch: int
-    iteration: int
+    position: int
     samples_seen: int
     epochs: int
     iters_per_epoch: int
@@ -58,10 +63,10 @@ class TrainStart(Event):
 
 @_frozen
 class EpochStart(Event):
-    """An epoch begins; ``iteration`` is the position it starts from (> 0 on a mid-epoch resume)."""
+    """An epoch begins; ``position`` is the cursor position it starts from (> 0 on a mid-epoch resume)."""
 
     epoch: int
-    iteration: int
+    position: int
     samples_seen: int
     iters_per_epoch: int
     epochs: Optional[int] = None
@@ -69,7 +74,7 @@ class EpochStart(Event):
 
 @_frozen
 class StepEnd(Event):
-    """One step has been applied; ``step`` counts it. ``iteration`` is its 0-based index in the epoch.
+    """One step has been applied; ``step`` counts it. ``position`` is its 0-based index in the epoch (``Cursor.position``).
 
     metrics: the step function's 0-dim tensors (read-only mapping).
     batch_size: samples in this batch on this rank; samples_seen: over all ranks, after it.
@@ -79,7 +84,7 @@ class StepEnd(Event):
     """
 
     epoch: int
-    iteration: int
+    position: int
     samples_seen: int
     metrics: Mapping = attrs.field(converter=_readonly)
     batch_size: int
@@ -92,7 +97,7 @@ class StepEnd(Event):
     @property
     def last_in_epoch(self) -> bool:
         """This step is the epoch's last by its length (a loader that ends early is not known here)."""
-        return self.iteration + 1 == self.iters_per_epoch
+        return self.position + 1 == self.iters_per_epoch
 
     @property
     def is_last(self) -> bool:
@@ -114,7 +119,7 @@ class StepBlock(Event):
     Delivered only to callbacks that ask for it (an ``on_step_block`` method,
     ``wants(StepBlock)``, or ``on(StepBlock)``); plain callables get StepEnd.
 
-    rows: per step ``(step, iteration, metrics, batch_size, data_time, step_time)``, oldest
+    rows: per step ``(step, position, metrics, batch_size, data_time, step_time)``, oldest
     first; the properties below give the columns. All rows are from one epoch.
     """
 
@@ -129,8 +134,10 @@ class StepBlock(Event):
         return tuple(r[0] for r in self.rows)
 
     @property
-    def iterations(self) -> tuple:
+    def positions(self) -> tuple:
         return tuple(r[1] for r in self.rows)
+
+    iterations = positions  # the older name
 
     @property
     def metrics(self) -> tuple:
@@ -150,8 +157,8 @@ class StepBlock(Event):
     @property
     def is_last(self) -> bool:
         """The block ends with the run's last step by the horizon."""
-        last_iteration = self.rows[-1][1] if self.rows else -1
-        return (self.epochs is not None and last_iteration + 1 == self.iters_per_epoch
+        last_position = self.rows[-1][1] if self.rows else -1
+        return (self.epochs is not None and last_position + 1 == self.iters_per_epoch
                 and self.epoch + 1 == self.epochs)
 
     def __len__(self) -> int:
@@ -199,7 +206,7 @@ class SaveRequested(Event):
     """
 
     epoch: int
-    iteration: int
+    position: int
     samples_seen: int
     reasons: tuple = ()
     best: bool = False
@@ -228,7 +235,7 @@ class Interrupted(Event):
     """KeyboardInterrupt: ``fit`` returns the last completed state (this event's state)."""
 
     epoch: int
-    iteration: int
+    position: int
     samples_seen: int
 
 
@@ -237,7 +244,7 @@ class Failed(Event):
     """An exception escaped the step, the loader or a callback; ``fit`` re-raises it after this."""
 
     epoch: int
-    iteration: int
+    position: int
     samples_seen: int
     error: BaseException = attrs.field(eq=False)
 

@@ -52,7 +52,8 @@ class Run:
 
     state: the initial TrainState. loader: what ``fit`` folds over. step: the step
     function (compiled or not, as the experiment chose). epochs: the absolute horizon.
-    evaluate: ``state -> dict of floats`` over the validation data, or None.
+    evaluate: the validation: a :class:`pimm_fn.callbacks.Evaluate` (e.g.
+    ``recipes.segmentation_eval(...)``), a ``state -> dict of floats`` function, or None.
     best_metric / best_mode: the evaluation metric that picks the best checkpoint.
     callbacks: extra callbacks beside the standard ones. iters_per_epoch: for
     iterable data. render: ``(state, path) -> None`` writes a picture of a prediction.
@@ -62,13 +63,38 @@ class Run:
     loader: Any
     step: Callable
     epochs: int
-    evaluate: Optional[Callable[[Any], dict]] = None
+    evaluate: Any = None
     best_metric: Optional[str] = None
     best_mode: str = "max"
     callbacks: Sequence[Any] = ()
     iters_per_epoch: Optional[int] = None
     render: Optional[Callable[[Any, Path], None]] = None
     eval_every_epochs: int = 1
+
+    def evaluator(self):
+        """The validation as an Evaluate callback on the run's schedule (every
+        ``eval_every_epochs`` epochs and at the end, named "val"), or None."""
+        if self.evaluate is None:
+            return None
+        import copy
+
+        from .callbacks.evaluation import Evaluate
+
+        if isinstance(self.evaluate, Evaluate):
+            out = copy.copy(self.evaluate)
+            out.every_steps, out.every_epochs, out.name, out.at_end = None, self.eval_every_epochs, "val", True
+            return out
+        if not callable(self.evaluate):
+            raise TypeError(f"Run.evaluate must be an Evaluate or a function state -> dict, "
+                            f"got {type(self.evaluate).__name__}")
+        return Evaluate.of(self.evaluate, every_epochs=self.eval_every_epochs, name="val", at_end=True)
+
+    def validate(self, state) -> dict:
+        """The validation metrics of ``state`` now (floats)."""
+        ev = self.evaluator()
+        if ev is None:
+            raise ValueError("this run defines no evaluation (Run(evaluate=...))")
+        return ev.metrics(state)
 
 
 def experiments_dir() -> Path:

@@ -1,6 +1,6 @@
 """Evaluation metrics as summable statistics: per-batch counts that add up over batches and ranks.
 
-Semantic segmentation follows the seed's evaluator: per class intersection / union / target
+Semantic segmentation follows Pointcept's evaluator: per class intersection / union / target
 counts over the points whose label is not ``ignore_index`` (-1); ``iou = I / (U + 1e-10)``,
 ``mIoU`` its mean, ``acc = I / (T + 1e-10)``, ``mAcc`` its mean, ``allAcc = sum I / (sum T +
 1e-10)``. Classification: correct / total.
@@ -40,7 +40,7 @@ def intersection_and_union(pred: torch.Tensor, target: torch.Tensor, num_classes
 
 
 def segmentation_scores(intersection, union, target, names: Optional[Sequence[str]] = None) -> dict:
-    """mIoU, mAcc, allAcc (and per-class iou/acc) from summed counts, as the seed computes them."""
+    """mIoU, mAcc, allAcc (and per-class iou/acc) from summed counts, as Pointcept computes them."""
     i, u, t = (torch.as_tensor(x, dtype=torch.float64) for x in (intersection, union, target))
     iou = i / (u + EPS)
     acc = i / (t + EPS)
@@ -83,12 +83,22 @@ class SegmentationMetric:
 
     The eval function returns ``{"pred": labels or logits, "target": labels, ...}``
     (keys configurable).
+    classes: class ids the means run over (default all; e.g. the classes one data set of a
+        multi-dataset run labels). present: add ``mIoU_present`` / ``mAcc_present``, the
+        means over the classes that occur in the targets. per_class: add ``iou/<name>`` and
+        ``acc/<name>`` for every class.
     """
 
     def __init__(self, num_classes: int, ignore_index: int = -1, names: Optional[Sequence[str]] = None,
-                 pred_key: str = "pred", target_key: str = "target"):
+                 pred_key: str = "pred", target_key: str = "target", *, classes: Optional[Sequence[int]] = None,
+                 present: bool = False, per_class: bool = True):
         self.num_classes, self.ignore_index, self.names = int(num_classes), ignore_index, names
         self.pred_key, self.target_key = pred_key, target_key
+        bad = [c for c in (classes or ()) if not 0 <= int(c) < self.num_classes]
+        if bad:
+            raise ValueError(f"classes {bad} are not class ids of a {self.num_classes}-class metric")
+        self.classes = None if classes is None else [int(c) for c in classes]
+        self.present, self.per_class = bool(present), bool(per_class)
 
     def init(self) -> dict:
         z = torch.zeros(self.num_classes, dtype=torch.int64)
@@ -105,7 +115,19 @@ class SegmentationMetric:
         return _all_reduce_sum(stats)
 
     def compute(self, stats: dict) -> dict:
-        return segmentation_scores(stats["intersection"], stats["union"], stats["target"], self.names)
+        i, u, t = stats["intersection"], stats["union"], stats["target"]
+        out = segmentation_scores(i, u, t, self.names)
+        if not self.per_class:
+            out = {k: out[k] for k in ("mIoU", "mAcc", "allAcc")}
+        iou = i.double() / (u.double() + EPS)
+        acc = i.double() / (t.double() + EPS)
+        if self.classes is not None:
+            out["mIoU"], out["mAcc"] = float(iou[self.classes].mean()), float(acc[self.classes].mean())
+        if self.present:
+            seen = t > 0
+            out["mIoU_present"] = float(iou[seen].mean()) if bool(seen.any()) else float("nan")
+            out["mAcc_present"] = float(acc[seen].mean()) if bool(seen.any()) else float("nan")
+        return out
 
 
 class Accuracy:

@@ -80,7 +80,7 @@ def constant(value: float) -> Schedule:
 
 
 def _one_cycle_pct(total_steps: int, pct_start: float) -> float:
-    """pct_start as a fraction; a value above 1 is a step count, as the seed reads it."""
+    """pct_start as a fraction; a value above 1 is a step count, as Pointcept reads it."""
     pct_start = float(pct_start)
     if pct_start < 0:
         raise ValueError(f"one_cycle: pct_start must be >= 0, got {pct_start}")
@@ -148,7 +148,7 @@ def one_cycle(
     max_lr: the peak; the cycle starts at ``max_lr / div_factor`` and ends at
         ``max_lr / div_factor / final_div_factor``.
     pct_start: fraction of the run spent warming up; a value > 1 is a number of steps
-        (the seed's convention).
+        (Pointcept's convention).
     anneal_strategy: 'cos' or 'linear'.
     three_phase: warm up, anneal back to the initial lr symmetrically, then to the minimum.
     Give each param group its own ``one_cycle`` for torch's per-group ``max_lr`` list.
@@ -190,7 +190,7 @@ def one_cycle_momentum(
     return _piecewise(total_steps, phases, _anneal(anneal_strategy))
 
 
-# ------------------------------------------------------------------- the seed's others
+# ------------------------------------------------------------------- Pointcept's others
 
 
 def cosine(total_steps: int, base_lr: float, eta_min: float = 0.0) -> Schedule:
@@ -232,7 +232,7 @@ def _step_decay(s: torch.Tensor, steps: list, gamma: float, start: float) -> tor
 def multistep(
     total_steps: int, base_lr: float, milestones: Sequence[float] = (0.6, 0.9), gamma: float = 0.1
 ) -> Schedule:
-    """torch's ``MultiStepLR`` at the seed's milestones ``int(r * total_steps)``.
+    """torch's ``MultiStepLR`` at Pointcept's milestones ``int(r * total_steps)``.
 
     milestones: fractions of the run; the lr is multiplied by ``gamma`` at each.
     """
@@ -260,7 +260,7 @@ def multistep_with_warmup(
     The factor is ``gamma ** k`` (k milestones ``int(r * total_steps)`` reached), times
     ``1 - (1 - s / (warmup_rate * T)) * (1 - warmup_scale)`` while
     ``s <= warmup_rate * T``: it rises from ``warmup_scale`` to 1 over the warm-up.
-    warmup_rate=0 means no warm-up (the seed divides by zero there).
+    warmup_rate=0 means no warm-up (Pointcept divides by zero there).
     """
     total_steps = _check_total_steps(total_steps, "multistep_with_warmup", base_lr)
     steps = _milestone_steps(milestones, total_steps, "multistep_with_warmup")

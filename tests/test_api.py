@@ -27,6 +27,6 @@ def test_unknown_name_is_an_attribute_error():
 
 def test_import_loads_nothing_heavy():
     code = ("import sys, pimm_fn, pimm_fn.fit; heavy = [m for m in ('torch._dynamo', 'pimm_fn.compile', "
-            "'pimm_fn.data', 'pimm_fn.models', 'pimm_fn.checkpoint', 'pimm_fn.callbacks.logging') if m in sys.modules]; print(heavy, callable(pimm_fn.fit))")
+            "'pimm_fn.data', 'pimm_fn.models', 'pimm_fn.checkpoint', 'pimm_fn.callbacks.logging', 'pimm_fn.callbacks.tensorboard') if m in sys.modules]; print(heavy, callable(pimm_fn.fit))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[] True"  # and pimm_fn.fit stays the function after importing its module

@@ -91,6 +91,43 @@ def test_tensorboard_huge_and_bool_values_read_back(tmp_path):
     assert [(s.step, s.value) for s in acc.Scalars("train_batch/n")] == [(2, 3.0)]
 
 
+def _event_records(folder):
+    """The records of the one event file in ``folder``, wall times zeroed (they differ per run)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    (path,) = [os.path.join(folder, f) for f in os.listdir(folder)]
+    raw, out, i = open(path, "rb").read(), [], 0
+    while i < len(raw):
+        n = int.from_bytes(raw[i:i + 8], "little")
+        e = Event.FromString(raw[i + 12:i + 12 + n])
+        e.wall_time = 0
+        out.append(e)
+        i += 12 + n + 4
+    return out
+
+
+def test_tensorboard_writer_thread_writes_what_the_training_thread_would(data, tmp_path):
+    for background in (True, False):
+        fit(make_state(), PermLoader(*data), step_fn, epochs=2,
+            callbacks=[TensorBoard(tmp_path / str(background), sync_every=4, background=background)])
+    threaded, inline = _event_records(tmp_path / "True"), _event_records(tmp_path / "False")
+    assert len(threaded) > 10 and threaded == inline
+
+
+def test_tensorboard_writer_error_surfaces_on_the_training_thread(tmp_path):
+    tb = TensorBoard(tmp_path, sync_every=1)
+    tb._open()
+    tb._wait()
+    tb._file._f.close()  # the writer's next write fails (as a full disk would)
+    tb._rows = [(1, {"loss": torch.tensor(0.5)})]
+    tb.drain()  # handed over; the error happens on the writer thread
+    with pytest.raises(ValueError, match="closed file"):
+        tb._flush()  # ... and is raised here, before a checkpoint would be written
+    with pytest.raises(ValueError):
+        tb._close()  # the broken file cannot be closed cleanly either; the thread is gone
+    assert tb._worker is None and tb._file is None
+
+
 def test_tensorboard_every_n_steps(data, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -238,7 +275,7 @@ def test_stop_on_non_finite_names_step_and_batch(data):
     with pytest.warns(RuntimeWarning, match="nan at step 3"):
         res = fit(make_state(), PermLoader(*data), nan_at_3, epochs=2, callbacks=[StopOnNonFinite(), rec])
     assert res.status == "stopped" and int(res.state.step) == 3
-    assert "batch of 8 samples" in res.stop_reason and "epoch 0, iteration 2" in res.stop_reason
+    assert "batch of 8 samples" in res.stop_reason and "epoch 0, position 2" in res.stop_reason
     # batched checks: still names step 3, stops at the next check
     with pytest.warns(RuntimeWarning, match="at step 3"):
         res = fit(make_state(), PermLoader(*data), nan_at_3, epochs=2, callbacks=[StopOnNonFinite(check_every=4)])

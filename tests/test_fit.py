@@ -39,7 +39,7 @@ def test_normal_run_cursor_events_history(data, four_epochs):
     assert kinds[1:9] == ["EpochStart"] + ["StepEnd"] * 6 + ["EpochEnd"]
     steps = [e for e in rec.events if isinstance(e, ev.StepEnd)]
     assert [e.step for e in steps] == list(range(1, 25))
-    assert [e.iteration for e in steps[:6]] == list(range(6)) and steps[6].epoch == 1
+    assert [e.position for e in steps[:6]] == list(range(6)) and steps[6].epoch == 1
     assert steps[-1].is_last and not steps[-2].is_last and steps[5].last_in_epoch
     assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in steps[0].metrics.values())
     assert steps[0].samples_seen == 8 and steps[0].batch_size == 8
@@ -93,7 +93,8 @@ def test_mid_epoch_resume_from_the_cursor_is_exact(data, four_epochs):
     rec = Recorder()
     out = fit(mid, loader, step_fn, epochs=4, callbacks=[rec])
     assert loader.calls[0] == (1, 3)
-    assert rec.events[1].iteration == 3  # EpochStart at position 3
+    assert rec.events[1].position == 3  # EpochStart at position 3
+    assert rec.events[1].iteration == 3  # the older name still reads
     assert [e.step for e in rec.events if isinstance(e, ev.StepEnd)][0] == 10
     assert leaves_equal(out.state, four_epochs[0].state)
 
@@ -265,7 +266,7 @@ def test_filters(data):
         on(ev.StepEnd, once=7)(lambda e, s: seen["once"].append(e.step)),
         on(ev.StepEnd, last=True)(lambda e, s: seen["last"].append(e.step)),
         on(ev.EpochEnd, every=2)(lambda e, s: seen["epochs"].append(e.epoch)),
-        on(ev.StepEnd, when=lambda e: e.iteration == 0)(lambda e, s: seen["when"].append(e.step)),
+        on(ev.StepEnd, when=lambda e: e.position == 0)(lambda e, s: seen["when"].append(e.step)),
     ]
     fit(make_state(), PermLoader(*data), step_fn, epochs=4, iters_per_epoch=3, callbacks=cbs)
     assert seen == {"every": [4, 8, 12], "once": [7], "last": [12], "epochs": [1, 3], "when": [1, 4, 7, 10]}

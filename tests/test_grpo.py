@@ -342,7 +342,7 @@ def test_fp16_grpo_loss_scale_follows_grad_scaler_and_skips_inf_updates():
         batches.append(b)
     cfg = LossScaleConfig(growth_interval=2)
     step = grpo(sample=poisoned_sample, reward=reward, group_size=G, loss=poisoned_loss,
-                autocast="float16", loss_scale=cfg)
+                autocast="float16", loss_scale_config=cfg)
     state = TrainState.create(TinyPolicy(), optim.adam(lr=0.05), seed=0, loss_scale=True)
     scales, skipped, params_before = [], [], []
     for b in batches:

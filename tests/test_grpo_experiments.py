@@ -22,7 +22,7 @@ def _run_quick(name, tmp_path, **overrides):
         assert torch.isfinite(metrics[key]), key
     # P updates per rollout: the optimizer's count advanced P times per step
     assert int(state.opt_state.count) == steps * 2
-    scores = run.evaluate(state)
+    scores = run.validate(state)
     assert scores and all(math.isfinite(float(v)) for v in scores.values()), scores  # v == v passed inf
     return metrics, scores
 

@@ -173,7 +173,7 @@ def test_loss_scale_matches_grad_scaler_with_inf_and_nan():
         ref_scales.append(scale_before)
         ref_skipped.append(scaler.get_scale() < scale_before)
 
-    step = supervised(loss_scale=LossScaleConfig(growth_interval=3))
+    step = supervised(loss_scale_config=LossScaleConfig(growth_interval=3))
     state = TrainState.create(Wrapped(model), optim.sgd(lr=0.05, momentum=0.9), loss_scale=True)
     scales, skipped = [], []
     for b in batches:
@@ -360,3 +360,15 @@ def test_clip_grad_must_be_a_positive_norm(bad):
         sharded(clip_grad=bad)
     with pytest.raises(ValueError, match="clip_grad must be a max gradient norm > 0"):
         grpo(sample=lambda policy, batch, g: None, reward=lambda *a: None, group_size=2, clip_grad=bad)
+
+
+def test_old_loss_scale_keyword_of_a_step_builder_names_the_new_one():
+    # The builder's setting is loss_scale_config; loss_scale is the state's switch.
+    from pimm_fn.steps.grpo import grpo
+
+    with pytest.raises(TypeError, match=r"supervised\(loss_scale_config=LossScaleConfig"):
+        supervised(loss_scale=LossScaleConfig(growth_interval=3))
+    with pytest.raises(TypeError, match=r"grpo\(loss_scale_config=.*TrainState.create\(\.\.\., loss_scale=True\)"):
+        grpo(sample=lambda p, b, g: None, reward=None, group_size=2, loss_scale=LossScaleConfig())
+    step = supervised(loss_scale_config=LossScaleConfig(growth_interval=3))
+    assert callable(step)

@@ -13,7 +13,7 @@ Rooms:
     memory         PeakMemory
     compile_cache  measure_compile_cache, load_factory (fresh-process compile probes)
     cli            bench_main (``pimm-fn bench``, ``python -m pimm_fn.bench``)
-    workloads      the built-in workloads (mlp, pointseg, cnn) and the seed-style eager trainer
+    workloads      the built-in workloads (mlp, pointseg, cnn) and the Pointcept-style eager trainer
 
 How memory is measured on CPU and CUDA: see :mod:`pimm_fn.bench.memory`.
 """

@@ -1,4 +1,4 @@
-"""Benchmark workloads: model, pimm_fn state and step, seed-style torch trainer, batches.
+"""Benchmark workloads: model, pimm_fn state and step, Pointcept-style torch trainer, batches.
 
 Each factory (``mlp``, ``pointseg``, ``cnn``) returns a :class:`pimm_fn.bench.Workload`
 and is what ``pimm-fn bench mlp`` (``pimm_fn.bench.workloads:mlp``) and the compile-cache
@@ -140,10 +140,10 @@ WORKLOADS = {"mlp": mlp, "pointseg": pointseg, "pointseg_fixed": pointseg_fixed,
 
 
 # --------------------------------------------------------------------------------------
-# the seed-style eager trainer (the seed's run_step, without AMP)
+# the Pointcept-style eager trainer (Pointcept's run_step, without AMP)
 # --------------------------------------------------------------------------------------
 def seed_trainer(model: nn.Module, *, fused=False, compile_model=False, compile_optimizer=False):
-    """A ``train_step(batch)`` doing what the seed's run_step does.
+    """A ``train_step(batch)`` doing what Pointcept's run_step does.
 
     forward; zero_grad; backward; clip_grad_norm_; AdamW step; OneCycleLR step.
     fused: AdamW(fused=True) instead of foreach. compile_model: torch.compile(model).

@@ -12,7 +12,7 @@ _WHERE = {
     "Checkpoint": ".checkpointing", "restore_latest": ".checkpointing", "resume": ".checkpointing",
     "EarlyStopping": ".control", "StopOnNonFinite": ".control",
     "Evaluate": ".evaluation",
-    "TensorBoard": ".logging", "TextLog": ".logging", "WandB": ".logging",
+    "TensorBoard": ".tensorboard", "TextLog": ".logging", "WandB": ".logging",
     "ProgressBar": ".progress",
     "Trace": ".tracing", "batch_stats": ".tracing",
 }

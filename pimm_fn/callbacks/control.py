@@ -39,7 +39,7 @@ class StopOnNonFinite(Callback):
         for (e, v), ok in zip(rows, finite):
             if not ok:
                 self.message = (
-                    f"{self.key} is {float(v)} at step {e.step} (epoch {e.epoch}, iteration {e.iteration}, "
+                    f"{self.key} is {float(v)} at step {e.step} (epoch {e.epoch}, position {e.position}, "
                     f"batch of {e.batch_size} samples); stopping. Common causes: a learning rate too high, "
                     "fp16 overflow (use bf16 or loss scaling), a bad sample in this batch."
                 )

@@ -62,6 +62,16 @@ class Evaluate(Callback):
             metrics.update(self.metric.compute(self.metric.reduce(stats)))
         return metrics, n_samples
 
+    def metrics(self, state) -> dict:
+        """The metrics of ``state`` over the whole loader (floats), without an event."""
+        return self.evaluate(state)[0]
+
+    @classmethod
+    def of(cls, fn: Callable, **options) -> "Evaluate":
+        """An Evaluate whose whole evaluation is ``fn(state) -> {name: number}`` (a loop of
+        the caller's own, e.g. several validation sets); ``options`` as for Evaluate."""
+        return _WholeStateEvaluate(fn, **options)
+
     def _run(self, event, state):
         if self._last_step == event.step:
             return None
@@ -85,3 +95,18 @@ class Evaluate(Callback):
     def on_train_end(self, event, state):
         if self.at_end:
             return self._run(event, state)
+
+
+class _WholeStateEvaluate(Evaluate):
+    """:meth:`Evaluate.of`: the evaluation is one call of ``fn(state)``."""
+
+    def __init__(self, fn: Callable, **options):
+        super().__init__(None, (), **options)
+        self.fn = fn
+
+    def evaluate(self, state) -> tuple[dict, int]:
+        with torch.no_grad():
+            out = self.fn(state)
+        if not isinstance(out, dict):
+            raise TypeError(f"the evaluation function must return a dict of numbers, got {type(out).__name__}")
+        return {k: float(v) for k, v in out.items()}, 0

@@ -1,6 +1,7 @@
-"""Metric writers: TensorBoard (tensorboardX), W&B (optional) and the text log ``train.log``.
+"""Metric writers: the buffered-writer base, W&B (optional) and the text log ``train.log``
+(TensorBoard: :mod:`pimm_fn.callbacks.tensorboard`).
 
-Tags follow the seed: ``train_batch/<k>`` per step, ``params/lr`` for the learning rate,
+Tags follow Pointcept: ``train_batch/<k>`` per step, ``params/lr`` for the learning rate,
 ``train/<k>`` epoch averages, ``val/<k>`` (or ``<name>/<k>``) evaluation metrics.
 
 Step metrics arrive in blocks (:class:`~pimm_fn.events.StepBlock`, a few per second), are
@@ -11,10 +12,8 @@ costs an event every step.
 from __future__ import annotations
 
 import datetime
-import glob
 import os
 import socket
-import time
 from typing import Optional
 
 import torch
@@ -56,7 +55,7 @@ def _numbers(rows):
     for i, (_, metrics) in enumerate(rows):
         for k, v in metrics.items():
             if isinstance(v, torch.Tensor):
-                if v.numel() == 1:  # the seed drops large tensors from the writer
+                if v.numel() == 1:  # Pointcept drops large tensors from the writer
                     flat.append(v.detach().reshape(()).double().to(flat[0].device if flat else v.device))
                     index.append((i, k))
                     out[i][1][k] = None  # keeps the row's key order; filled below
@@ -160,119 +159,12 @@ class _Buffered(Callback):
         self._close()
 
 
-class TensorBoard(_Buffered):
-    """Scalars to TensorBoard event files in ``log_dir`` (tensorboardX's protos, the
-    :mod:`~pimm_fn.callbacks.event_file` writer).
-
-    Steps are continuous across resume: a resumed run (state.step = s > 0) starts a new event
-    file with a purge marker at step s + 1, so TensorBoard drops what a killed run wrote after
-    its last checkpoint and each step appears once. Events are written on the training
-    thread in batches of ``sync_every`` steps (one host sync and one file write per batch,
-    one event per step holding all its scalars) and flushed before every checkpoint.
-
-    every_steps: log every n-th step (1: each step, as the seed). Use :meth:`add_scalar`
-    for your own scalars.
-    """
-
-    def __init__(self, log_dir, every_steps: int = 1, sync_every: int = 50):
-        super().__init__(every_steps, sync_every)
-        self.log_dir = str(log_dir)
-        self._file = None
-        self._encoders: dict = {}  # tags -> ScalarEvents
-        self._row_tags: dict = {}  # metric keys -> tags
-
-    def _open(self, event=None):
-        if self._file is not None:
-            return
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
-
-        from .event_file import EventFile
-
-        os.makedirs(self.log_dir, exist_ok=True)
-        # TensorBoard reads a directory's files in name order; names carry the second, then
-        # this suffix: nanoseconds keep restarts within one second in order.
-        self._wait_past_existing()
-        self._file = EventFile(self.log_dir, f".{time.time_ns():020d}.{os.getpid()}")
-        step = getattr(event, "step", 0) or 0
-        if step > 0:
-            self._file.write([Event(step=step + 1, wall_time=time.time(),
-                                    session_log=SessionLog(status=SessionLog.START)).SerializeToString()])
-
-    def _wait_past_existing(self):
-        latest = 0
-        for path in glob.glob(os.path.join(self.log_dir, "events.out.tfevents.*")):
-            try:
-                latest = max(latest, int(os.path.basename(path).split(".")[3]))
-            except (IndexError, ValueError):
-                continue
-        while int(time.time()) < latest:  # a clock behind an existing file: keep order
-            time.sleep(0.05)
-
-    def add_scalar(self, tag: str, value: float, step: int) -> None:
-        """Write one scalar now."""
-        self._write(step, {tag: float(value)})
-
-    def _event(self, step: int, wall: float, tags: tuple, values) -> bytes:
-        enc = self._encoders.get(tags)
-        if enc is None:
-            from .event_file import ScalarEvents
-
-            if len(self._encoders) > 64:  # tags that change every step: do not hoard encoders
-                self._encoders.clear()
-            enc = self._encoders[tags] = ScalarEvents(tags)
-        data = enc.encode(int(step), wall, values)
-        if data is None:  # a value past float32 (the proto rounds it to inf) or a negative step
-            from tensorboardX.proto.event_pb2 import Event
-            from tensorboardX.proto.summary_pb2 import Summary
-
-            data = Event(step=int(step), wall_time=wall, summary=Summary(value=[
-                Summary.Value(tag=t, simple_value=v) for t, v in zip(tags, values)])).SerializeToString()
-        return data
-
-    def _write(self, step, scalars):
-        if scalars:
-            self._open()
-            self._file.write([self._event(step, time.time(), tuple(scalars), list(scalars.values()))])
-
-    def _write_rows(self, rows):
-        # One event per step holding all its scalars (TensorBoard reads each value under its
-        # tag as if written alone), encoded from the floats, one write for the block.
-        self._open()
-        wall = time.time()
-        out = []
-        row_tags = self._row_tags
-        for step, nums in rows:
-            if not nums:
-                continue
-            keys = tuple(nums)
-            tags = row_tags.get(keys)
-            if tags is None:
-                if len(row_tags) > 64:
-                    row_tags.clear()
-                tags = row_tags[keys] = tuple(self._tag(k) for k in keys)
-            out.append(self._event(step, wall, tags, list(nums.values())))
-        if out:
-            self._file.write(out)
-
-    def _flush(self):
-        if self._file is not None:
-            self._file.flush()
-
-    def _close(self):
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    def on_already_complete(self, event, state):
-        pass  # nothing to write: do not open a file
-
-
 class WandB(_Buffered):
     """Scalars to Weights & Biases (``pip install wandb``; imported only when the run starts).
 
     mode: ``"offline"`` writes locally (``wandb sync`` uploads later); id + resume="allow"
     continue a run across restarts (wandb drops steps it has already seen). notes: e.g. the
-    launch command, as the seed does.
+    launch command, as Pointcept does.
     """
 
     def __init__(self, project: Optional[str] = None, *, name=None, group=None, job_type=None, id=None,
@@ -359,8 +251,8 @@ class TextLog(Callback):
         self._reset()
         self._epochs = event.epochs
         self._ipe = event.iters_per_epoch
-        self._left_at_start = (event.epochs - event.epoch) * event.iters_per_epoch - event.iteration
-        where = f"resuming at epoch {event.epoch} iteration {event.iteration} (step {event.step})" \
+        self._left_at_start = (event.epochs - event.epoch) * event.iters_per_epoch - event.position
+        where = f"resuming at epoch {event.epoch} position {event.position} (step {event.step})" \
             if event.resumed else "from scratch"
         self.log(f">>> Start training {where}: {event.epochs} epochs x {event.iters_per_epoch} steps, "
                  f"host {socket.gethostname()}")

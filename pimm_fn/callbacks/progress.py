@@ -53,7 +53,7 @@ class ProgressBar(Callback):
         desc = f"epoch {event.epoch + 1}" + (f"/{event.epochs}" if event.epochs else "")
         self._unshown = 0
         if self.step_bar is None:
-            self.step_bar = tqdm(total=event.iters_per_epoch, initial=event.iteration, desc=desc, unit="step",
+            self.step_bar = tqdm(total=event.iters_per_epoch, initial=event.position, desc=desc, unit="step",
                                  position=1 if self.epoch_bar is not None else 0, leave=False, file=self.file,
                                  disable=self.disable, dynamic_ncols=True)
         else:
@@ -61,8 +61,8 @@ class ProgressBar(Callback):
             # A new epoch shows its name at once when a refresh is due, even if its steps are
             # quicker than tqdm's own refresh interval.
             self.step_bar.set_description(desc, refresh=self._due())
-            if event.iteration:
-                self.step_bar.update(event.iteration)
+            if event.position:
+                self.step_bar.update(event.position)
 
     def on_step_block(self, event, state):
         bar = self.step_bar

@@ -2,7 +2,7 @@
 
 ``fit`` itself wraps the data fetch, the step and each callback in
 ``torch.profiler.record_function`` spans (while a profiler records), and Checkpoint wraps
-its writes; this callback adds the seed's instants (training start / end / already complete
+its writes; this callback adds Pointcept's instants (training start / end / already complete
 / loader exhausted) and batch statistics (clouds = ``len(offset)``, points =
 ``coord.shape[0]``; shapes only, no device sync) every n steps.
 """
@@ -65,13 +65,13 @@ class Trace(Callback):
             self._f.write(json.dumps(rec) + "\n")
 
     def on_train_start(self, event, state):
-        self._emit("instant", "training_start", event.step, epoch=event.epoch, iteration=event.iteration)
+        self._emit("instant", "training_start", event.step, epoch=event.epoch, position=event.position)
 
     def on_step_end(self, event, state):
         if due(event.step, self.every):
             stats = batch_stats(event.batch)
             if stats:
-                self._emit("scalar", "batch", event.step, epoch=event.epoch, iteration=event.iteration, **stats)
+                self._emit("scalar", "batch", event.step, epoch=event.epoch, position=event.position, **stats)
 
     def on_epoch_end(self, event, state):
         if event.exhausted:

@@ -78,8 +78,8 @@ def _rename_fn(rename) -> Callable[[str], str]:
 def _seed_count(ckpt: Mapping, optimizer_sd: Mapping) -> Optional[int]:
     """The update count to give the interop, or None when the torch state carries it.
 
-    Adam / AdamW save ``step`` per param; SGD does not, and then the seed's scheduler
-    ``last_epoch`` is the count (the seed skips the scheduler on the same inf/NaN steps
+    Adam / AdamW save ``step`` per param; SGD does not, and then Pointcept's scheduler
+    ``last_epoch`` is the count (Pointcept skips the scheduler on the same inf/NaN steps
     as the optimizer, as pimm_fn's count does), else ``global_step``.
     """
     if any(isinstance(e, Mapping) and "step" in e for e in optimizer_sd.get("state", {}).values()):
@@ -131,14 +131,14 @@ def import_seed_checkpoint(
         ``state_dict`` is taken as the state_dict itself.
     like: the TrainState to fill (model structure, optimizer, devices, dtypes).
     rename: ``{old: new}`` substring replacements applied in order to every key after
-        ``module.`` is stripped (the seed loader's keywords -> replacement), or a function.
+        ``module.`` is stripped (Pointcept's checkpoint-loader keywords -> replacement), or a function.
     strict: raise on any missing / unexpected / shape-mismatched key instead of warning.
     resume: also import optimizer, scaler and counters; False imports weights only.
     trust_pickle: unpickle fully (runs code from the file); only for trusted files.
     optimizer_importer: ``f(torch_state_dict, template_opt_state, count=n) -> opt_state``
         in place of :func:`pimm_fn.optim.torch_interop.from_torch_state_dict` (which maps
         torch's param groups, in order, onto the transform's groups; ``like.tx`` must be
-        built with the seed's optimizer and groups). ``count`` is None for Adam / AdamW
+        built with Pointcept's optimizer and groups). ``count`` is None for Adam / AdamW
         (their ``step`` is used), else the scheduler's ``last_epoch`` or ``global_step``.
     The scheduler's own state is not imported: pimm_fn schedules are functions of the
     update count in the optimizer state (its ``last_epoch`` only supplies SGD's count).

@@ -49,19 +49,19 @@ def _flatten_state(state: TrainState):
 
 
 def _refuse_pieces(state: TrainState) -> None:
-    """A checkpoint holds full tensors. A sharded state (``pimm_fn.sharding``) holds one
-    rank's 1-D pieces; written as is, it would restore as nothing anyone can use."""
-    model = getattr(state, "model", None)
-    if model is None:
-        return
-    for name, p in model.named_parameters():
-        leaf = state.params.get(name) if isinstance(state.params, Mapping) else None
-        if isinstance(leaf, torch.Tensor) and tuple(leaf.shape) != tuple(p.shape):
-            raise CheckpointError(
-                f"params[{name!r}] has shape {tuple(leaf.shape)} but the model's parameter is "
-                f"{tuple(p.shape)}: this looks like a sharded state (one rank's pieces). Save it "
-                "with pimm_fn.sharding.save(path, state), which gathers full tensors on every "
-                "rank and writes them once; fit's Checkpoint callback does not gather")
+    """A checkpoint file holds full tensors. A sharded state (``pimm_fn.sharding``) holds
+    DTensors whose local rows are one rank's part; written as is, it would restore as
+    nothing anyone can use."""
+    from torch.distributed.tensor import DTensor
+
+    params = state.params if isinstance(getattr(state, "params", None), Mapping) else {}
+    sharded = [k for k, v in params.items() if isinstance(v, DTensor)]
+    if sharded:
+        raise CheckpointError(
+            f"params {sharded[:3]} are DTensors: this is a sharded state (each rank holds its rows). "
+            "Save it with pimm_fn.sharding.save(path, state), which writes every rank's rows with "
+            "torch.distributed.checkpoint and reshards on restore; fit's Checkpoint callback writes "
+            "one file of full tensors and cannot")
 
 
 def save(path: Union[str, os.PathLike], state: TrainState, extra: Any = None, *, sync_dir: bool = True) -> Path:

@@ -316,7 +316,7 @@ def build_train_loader(
     batch_size: per rank. collate_fn: defaults to the point collate with ``mix_prob``.
     transform: ``f(sample, generator) -> sample``, seeded per (seed, epoch, index).
     drop_last: None -> True when the data set is larger than the global batch
-        (batch_size * world_size), as the seed does; iterable data always drops.
+        (batch_size * world_size), as Pointcept does; iterable data always drops.
     iters_per_epoch: required for an iterable data set without num_samples(); for
         map-style data an optional cap on the epoch.
     pin_memory: None -> on when CUDA is available. persistent_workers: None -> on with

@@ -1,6 +1,6 @@
 """Data parallelism on torch.distributed: torchrun init, in-step collectives, rank helpers.
 
-Replaces the seed's parallel context, DDP wrapping and comm helpers. Rooms:
+Replaces Pointcept's parallel context, DDP wrapping and comm helpers. Rooms:
 
     runtime      init_from_env, choose_backend, default_device, shutdown, world, is_main, barrier, broadcast_object,
                  on_main, guard, DistContext, PeerLostError
@@ -23,7 +23,7 @@ In more detail:
   with ``torch.distributed._functional_collectives`` (traceable; they compile fullgraph
   on gloo): :func:`grad_transform` for ``supervised(grad_transform=...)``, and
   :func:`data_parallel` / :func:`wrap_step`, which add the cross-rank metric reduction
-  (the seed's key rules), the global sample count and optional BatchNorm running-stat
+  (Pointcept's key rules), the global sample count and optional BatchNorm running-stat
   averaging, each bucketed into one collective per dtype.
 * Host helpers for the driver: :func:`is_main`, :func:`barrier`,
   :func:`broadcast_object`, :func:`on_main` (rank 0 writes, everyone waits),

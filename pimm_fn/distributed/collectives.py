@@ -3,7 +3,7 @@
 DDP's autograd hooks do not fire under ``torch.func`` / ``torch.autograd.grad`` over
 ``functional_call``, so gradients are reduced explicitly with
 ``torch.distributed._functional_collectives`` (they compile fullgraph on gloo). Also the
-cross-rank metric reduction (the seed's key rules) and the per-batch sample count.
+cross-rank metric reduction (Pointcept's key rules) and the per-batch sample count.
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def grad_transform(ctx: Optional[DistContext] = None) -> Callable[[dict], dict]:
 
 def reduce_metrics(metrics: Mapping[str, torch.Tensor], ctx: Optional[DistContext] = None,
                    extra_sum: Sequence[torch.Tensor] = ()) -> tuple[dict, list]:
-    """Reduce 0-dim metrics over ranks with the seed's key rules; traceable.
+    """Reduce 0-dim metrics over ranks with Pointcept's key rules; traceable.
 
     ``_min`` keys take the MIN, ``_max`` / ``abs_max`` keys the MAX, ``count`` the SUM,
     every other key the mean. Two collectives in all: one sum (means, sums and

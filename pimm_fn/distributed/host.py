@@ -65,7 +65,7 @@ def reshard_cursor(cursor, saved: Mapping[str, int], *, batch_size: int,
     world`` samples long. The new cursor starts after the same prefix when it is a whole
     number of new global batches, which is exact: no sample skipped or repeated. Otherwise
     it rounds down to the last whole new global batch and warns: fewer than one global
-    batch of samples is trained on twice (the seed instead restarts the epoch).
+    batch of samples is trained on twice (Pointcept instead restarts the epoch).
 
     saved: :func:`dist_meta` of the run that wrote the checkpoint.
     batch_size / world_size: the new run's per-rank batch and ranks (default: current).

@@ -180,7 +180,7 @@ class Dispatcher:
             self.flush_block(state)
         c = state.cursor
         req = ev.SaveRequested(
-            step=self.step, epoch=c.epoch, iteration=c.position, samples_seen=c.samples_seen,
+            step=self.step, epoch=c.epoch, position=c.position, samples_seen=c.samples_seen,
             reasons=tuple(dict.fromkeys(s.reason for s in saves)), best=any(s.best for s in saves),
         )
         queue = collections.deque([req])

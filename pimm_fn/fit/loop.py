@@ -92,7 +92,7 @@ class _Run(Dispatcher):
         epoch, start = cursor.epoch, cursor.position
         it = src.iter_epoch(epoch, start) if start < ipe else iter(())
         self.dispatch(
-            ev.EpochStart(step=self.step, epoch=epoch, iteration=start, samples_seen=cursor.samples_seen,
+            ev.EpochStart(step=self.step, epoch=epoch, position=start, samples_seen=cursor.samples_seen,
                           iters_per_epoch=ipe, epochs=self.epochs),
             self.state,
         )
@@ -155,7 +155,7 @@ class _Run(Dispatcher):
                 if step_callbacks:
                     self.dispatch(
                         ev.StepEnd(
-                            step=self.step, epoch=epoch, iteration=pos, samples_seen=new.cursor.samples_seen,
+                            step=self.step, epoch=epoch, position=pos, samples_seen=new.cursor.samples_seen,
                             metrics=metrics, batch_size=n, data_time=t1 - t0, step_time=t2 - t1,
                             iters_per_epoch=ipe, epochs=self.epochs, batch=batch,
                         ),
@@ -195,7 +195,7 @@ class _Run(Dispatcher):
 
     def _fail_or_interrupt(self, err):
         c = self.state.cursor
-        kw = dict(step=self.step, epoch=c.epoch, iteration=c.position, samples_seen=c.samples_seen)
+        kw = dict(step=self.step, epoch=c.epoch, position=c.position, samples_seen=c.samples_seen)
         if self.history is not None and self.history._pending:
             self.history._close()
         if isinstance(err, KeyboardInterrupt):
@@ -296,7 +296,7 @@ def fit(
             run.instant("training_start")
             run.dispatch(
                 ev.TrainStart(
-                    step=run.step, epoch=cursor.epoch, iteration=cursor.position, samples_seen=cursor.samples_seen,
+                    step=run.step, epoch=cursor.epoch, position=cursor.position, samples_seen=cursor.samples_seen,
                     epochs=epochs, iters_per_epoch=run.source.iters_per_epoch,
                     resumed=run.step > 0 or cursor.epoch > 0 or cursor.position > 0,
                     loader=loader, callbacks=run.callbacks, history=run.history,

@@ -35,7 +35,7 @@ def count_samples(batch) -> int:
 
 
 def resolve_iters_per_epoch(loader, iters_per_epoch: Optional[int] = None) -> int:
-    """Steps per epoch, by the seed's rule.
+    """Steps per epoch, by Pointcept's rule.
 
     Given ``iters_per_epoch``: that (an iterable stream is cut there). Else ``len(loader)``.
     Else (an iterable without a length) ``dataset.num_samples() // world_size // batch_size``.

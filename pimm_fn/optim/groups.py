@@ -1,4 +1,4 @@
-"""Parameter groups with the seed's ``param_dicts`` semantics, as one transform.
+"""Parameter groups with Pointcept's ``param_dicts`` semantics, as one transform.
 
 A parameter joins the FIRST group whose keyword is a substring of its name and takes
 that group's settings (lr, weight_decay, momentum / b1, ...); every other parameter
@@ -78,7 +78,7 @@ def grouped(
     """One transform that runs ``factory(**settings)`` separately on each param group.
 
     factory: a transform factory such as ``adamw`` or ``sgd``.
-    groups: the seed's ``param_dicts``: dicts with a ``keyword`` and any of the
+    groups: Pointcept's ``param_dicts``: dicts with a ``keyword`` and any of the
         factory's arguments (``lr``, ``weight_decay``, ``momentum`` or ``b1``, ...), plus
         an optional ``name`` (default: the keyword) used in the state and the logs.
     lr_schedule: maps each group's numeric lr to a schedule, e.g.
@@ -100,7 +100,7 @@ def grouped(
         if bad:
             hint = ""
             if "momentum" in bad and "b1" in accepted:
-                hint = " (Adam's momentum is b1; the seed ignored 'momentum' for Adam)"
+                hint = " (Adam's momentum is b1; Pointcept ignored 'momentum' for Adam)"
             raise ValueError(
                 f"{where}: {fname} has no argument(s) {bad}{hint}; it accepts {sorted(accepted)}"
             )

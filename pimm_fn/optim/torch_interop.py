@@ -1,9 +1,9 @@
 """Convert optimizer state to and from a ``torch.optim`` optimizer's ``state_dict()``.
 
-A run saved by a torch-optimizer trainer (the seed) continues here, and a pimm_fn run
+A run saved by a torch-optimizer trainer (Pointcept) continues here, and a pimm_fn run
 continues under torch.optim. The walk finds the sgd / adam states inside any
 ``chain`` / ``grouped`` state; they correspond, in order, to the torch param groups
-(default group first, then the ``param_dicts`` groups, as the seed builds them), and
+(default group first, then the ``param_dicts`` groups, as Pointcept builds them), and
 inside a group the params follow ``named_parameters`` order.
 
 Host code: it reads tensors with ``.item()`` and is never part of a compiled step.
@@ -59,7 +59,7 @@ def _names(s) -> Optional[list]:
 
 
 def _check_names(torch_group: dict, names: Optional[list], i: int) -> None:
-    """Compare with the names torch saved, when it saved any (named params, or the seed's 'names')."""
+    """Compare with the names torch saved, when it saved any (named params, or Pointcept's 'names')."""
     saved = torch_group.get("param_names", torch_group.get("names"))
     if names is None or saved is None:
         return

@@ -8,7 +8,7 @@ them in Python floats, and rounded to the param dtype where torch's kernels roun
 sgd's ``momentum`` and adam's ``b1``, which torch's OneCycleLR cycles. Each transform
 keeps its own ``count`` of applied updates and feeds it to its schedules: a step that a
 loss scaler skips (the old state kept with ``torch.where``) does not advance them, just
-as the seed's scheduler only sees steps whose optimizer step ran.
+as Pointcept's scheduler only sees steps whose optimizer step ran.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The GRPO loss: the clipped surrogate, the k1 / k3 KL estimators and their sum.
 
-Metric names follow the seed's GRPOTrainer (``rl_pg_loss``, ``rl_kl_loss``, ``rl_kl``,
+Metric names follow Pointcept's GRPOTrainer (``rl_pg_loss``, ``rl_kl_loss``, ``rl_kl``,
 ``rl_ratio_geom``, ``rl_log_ratio`` (+ ``_min`` / ``_max``), ``rl_clip_frac``,
 ``rl_logprob``, ``rl_advantage_abs_max``); ``rl_clip_frac_low`` / ``_high`` and
 ``count`` are additions.

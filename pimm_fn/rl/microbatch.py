@@ -1,6 +1,6 @@
 """Micro-batches: slicing a batch of trajectories into weighted pieces, and combining their
 metrics with the rule ranks' metrics combine by (:func:`reduce_across_ranks_op`, defined
-with the cross-rank reduction in :mod:`pimm_fn.distributed.collectives`): the seed's
+with the cross-rank reduction in :mod:`pimm_fn.distributed.collectives`): Pointcept's
 substring rules for min / max / mean, ``count`` summed."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def combine_microbatches(
     """Combine the metrics of the micro-batches of one policy update.
 
     ``_min`` keys take the min, ``_max`` / ``abs_max`` keys the max, ``count`` the sum,
-    all others the count-weighted mean (the seed's ``sum(value * count / total)``). Only
+    all others the count-weighted mean (Pointcept's ``sum(value * count / total)``). Only
     tensor ops: traces when the key set is static.
 
     Args:
@@ -31,7 +31,7 @@ def combine_microbatches(
             metrics averaged over (an int or a 0-dim tensor, e.g. ``metrics["count"]``).
 
     A key missing from some micro-batches is averaged over those that have it, renormalised
-    by their counts (the seed leaves such a sum under-weighted); non-tensor values are taken
+    by their counts (Pointcept leaves such a sum under-weighted); non-tensor values are taken
     from the first micro-batch that has them.
     """
     if not outputs:
@@ -56,7 +56,7 @@ def combine_microbatches(
             combined[key] = stacked.sum()
         else:
             counts = torch.stack([_as_tensor(c, stacked) for _, c in present]).to(stacked.dtype)
-            # clamp: an all-empty update (every count 0) gives 0, as in the seed, not NaN.
+            # clamp: an all-empty update (every count 0) gives 0, as in Pointcept, not NaN.
             combined[key] = (stacked * counts).sum() / counts.sum().clamp(min=1e-12)
     return combined
 
@@ -110,14 +110,14 @@ def microbatch_slices(
 
     ``sum(weight_i * loss(chunk_i))`` equals ``loss(all)`` -- and so do the gradients --
     when the loss is a mean over the units counted: trajectories for
-    ``reduction="sequence"`` (the default; weights ``len(chunk) / N``, as in the seed), or
+    ``reduction="sequence"`` (the default; weights ``len(chunk) / N``, as in Pointcept), or
     tokens for ``reduction="token"`` (pass ``counts`` = valid steps per trajectory,
     e.g. ``mask.sum(-1)``). Advantages must be computed on the whole group first.
 
     Args:
         num_trajectories: N.
         microbatch_size: trajectories per chunk; 0 means no splitting (one chunk).
-        group_size: if given, chunks never cross a group boundary (the seed slices each
+        group_size: if given, chunks never cross a group boundary (Pointcept slices each
             event's trajectories separately), so a chunk may be shorter than the size.
         counts: optional ``[N]`` per-trajectory unit counts; weights become 0-dim tensors.
 

@@ -1,6 +1,6 @@
 """The GRPO step: sample a group of trajectories per input, score them, update the policy P times.
 
-Replaces the seed's GRPOTrainer (seed-behaviour.md items 14-18). A GRPO step is a
+Replaces Pointcept's GRPOTrainer (seed-behaviour.md items 14-18). A GRPO step is a
 :class:`pimm_fn.compile.Step`: its host ``prepare`` is the rollout and its pure core the
 update, so ``compile_step``, ``explain_step``, ``distributed.wrap_step`` and
 ``bench.benchmark_step`` take it like any other step. One call
@@ -23,7 +23,7 @@ update, so ``compile_step``, ``explain_step``, ``distributed.wrap_step`` and
    step's does; ``grad_transform`` (the data-parallel all-reduce) applies there.
 
 The optimizer's own count advances P times per batch, so schedules count optimizer
-updates (size them ``batches * epochs * P``, as the seed does). The frozen reference
+updates (size them ``batches * epochs * P``, as Pointcept does). The frozen reference
 params live in ``state.extra["grpo_ref"]`` (see :func:`with_reference`); everything a
 mid-run resume needs (params, optimizer state, reference, RNG key, cursor) is in the state.
 
@@ -42,7 +42,7 @@ import torch
 
 from .. import rl
 from ..compile import Step
-from ..amp import LossScaleConfig, as_autocast
+from ..amp import LossScaleConfig, as_autocast, renamed_loss_scale
 from ..state import TrainState
 from ..tree import tree_map
 from .common import applied_buffers, check_clip_grad, guarded_update
@@ -75,8 +75,8 @@ class GRPOStep(Step):
 
     def __init__(self, *, sample, reward, group_size, log_prob, loss, policy_updates, microbatch_size,
                  weight_by, advantage, gamma, eps, kl, clip_grad, method, autocast=None,
-                 loss_scale: LossScaleConfig = LossScaleConfig(), grad_transform=None, name="grpo"):
-        self.autocast, self.loss_scale = as_autocast(autocast), loss_scale
+                 loss_scale_config: LossScaleConfig = LossScaleConfig(), grad_transform=None, name="grpo"):
+        self.autocast, self.loss_scale_config = as_autocast(autocast), loss_scale_config
         self.sample, self.reward, self.group_size = sample, reward, group_size
         self.log_prob, self.loss = log_prob, loss
         self.policy_updates, self.microbatch_size, self.weight_by = policy_updates, microbatch_size, weight_by
@@ -211,7 +211,7 @@ class GRPOStep(Step):
             if scaler is not None:
                 scales.append(scaler.scale)
             params, opt_state, finite, grad_norm, scaler = guarded_update(
-                state.tx, params, opt_state, grads, scaler=scaler, scaler_config=self.loss_scale,
+                state.tx, params, opt_state, grads, scaler=scaler, scaler_config=self.loss_scale_config,
                 clip_grad=self.clip_grad, grad_transform=self.grad_transform,
             )
             buffers = applied_buffers(finite, buffers, before)
@@ -279,8 +279,9 @@ def grpo(
     clip_grad: Optional[float] = None,
     method: str = "log_probs",
     autocast=None,
-    loss_scale: LossScaleConfig = LossScaleConfig(),
+    loss_scale_config: LossScaleConfig = LossScaleConfig(),
     grad_transform: Optional[Callable[[dict], dict]] = None,
+    loss_scale=None,
 ) -> GRPOStep:
     """Build a GRPO step (see the module docstring).
 
@@ -312,7 +313,7 @@ def grpo(
     method: the policy module's log-probability method.
     autocast: as for :func:`pimm_fn.steps.supervised` ("bfloat16", "float16" or an
         :class:`pimm_fn.amp.Autocast`): the policy's update forwards run under it.
-    loss_scale: the dynamic loss scale's settings, used when the state has one
+    loss_scale_config: the dynamic loss scale's settings, used when the state has one
         (``TrainState.create(..., loss_scale=True)``; needed with float16): each policy
         update is one scaler step, as ``torch.amp.GradScaler`` counts them; an update with
         inf/NaN gradients is skipped and the scale backs off.
@@ -326,6 +327,7 @@ def grpo(
     as they were for an update that was skipped); sampling and the reference pass use
     copies and move nothing.
     """
+    renamed_loss_scale(loss_scale, "grpo")
     if int(group_size) < 2:
         raise ValueError(
             f"group_size={group_size}: GRPO compares the G trajectories sampled for one input with "
@@ -348,6 +350,6 @@ def grpo(
         policy_updates=int(policy_updates), microbatch_size=int(microbatch_size),
         weight_by="tokens" if reduction == "token" else "trajectories", advantage=advantage,
         gamma=float(gamma), eps=float(eps), kl=not (isinstance(kl_coef, (int, float)) and kl_coef == 0),
-        clip_grad=clip_grad, method=method, autocast=autocast, loss_scale=loss_scale,
+        clip_grad=clip_grad, method=method, autocast=autocast, loss_scale_config=loss_scale_config,
         grad_transform=grad_transform,
     )

@@ -1,6 +1,6 @@
 """The supervised step: forward, backward, (unscale), clip, optimizer update, all pure.
 
-Replaces the seed trainer's ``run_step``. The step reads the model only through
+Replaces Pointcept's ``run_step``. The step reads the model only through
 ``functional_call``; BatchNorm statistics come back in the new state's buffers.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..amp import LossScaleConfig, as_autocast
+from ..amp import LossScaleConfig, as_autocast, renamed_loss_scale
 from ..compile import Step
 from .common import (
     applied_buffers, check_clip_grad, check_labels, forward_backward, guarded_update, point_batch_stats, update_metrics, weighted_sum,
@@ -22,19 +22,20 @@ def supervised(
     *,
     clip_grad: Optional[float] = None,
     autocast=None,
-    loss_scale: LossScaleConfig = LossScaleConfig(),
+    loss_scale_config: LossScaleConfig = LossScaleConfig(),
     nonfinite: str = "skip",
     loss_key: str = "loss",
     grad_transform: Optional[GradTransform] = None,
     accumulate: int = 1,
     microbatch_weight: Optional[Callable] = None,
+    loss_scale=None,
 ) -> Step:
     """Build the pure supervised step ``(state, batch) -> (state, metrics)``.
 
     clip_grad: max global gradient norm (``clip_grad_norm_`` semantics), or None.
     autocast: None, "bfloat16", "float16" or an :class:`pimm_fn.amp.Autocast`.
-    loss_scale: growth/backoff settings; scaling is on when the state has a loss scale
-        (``TrainState.create(..., loss_scale=True)``).
+    loss_scale_config: growth/backoff settings; scaling is on when the state has a loss
+        scale (``TrainState.create(..., loss_scale=True)``).
     nonfinite: what a non-finite loss or gradient does: "skip" (the update is not
         applied; ``metrics["skipped"]`` is 1) or "raise" (FloatingPointError, a host sync).
         A skipped step leaves params, optimizer state and every buffer (BatchNorm's
@@ -49,6 +50,7 @@ def supervised(
     Metrics (0-dim tensors): loss, every scalar the model returns, lr per group,
     grad_norm (before clipping), loss_scale, skipped, avg_pts for point batches.
     """
+    renamed_loss_scale(loss_scale, "supervised")
     if nonfinite not in ("skip", "raise"):
         raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
     if accumulate < 1:
@@ -70,7 +72,7 @@ def supervised(
         grads = grad_list[0] if accumulate == 1 else weighted_sum(grad_list, weights)
         loss = losses[0] if accumulate == 1 else sum(w * l for w, l in zip(weights, losses))
         params, opt_state, finite, grad_norm, new_scaler = guarded_update(
-            state.tx, state.params, state.opt_state, grads, loss=loss, scaler=scaler, scaler_config=loss_scale,
+            state.tx, state.params, state.opt_state, grads, loss=loss, scaler=scaler, scaler_config=loss_scale_config,
             clip_grad=clip_grad, grad_transform=grad_transform,
         )
 

@@ -2,20 +2,22 @@
 
 BatchNorm normalises with per-rank batch statistics, so the one-process reference that sees
 the same global batch is ``supervised(accumulate=2)`` over [rank 0's batch, rank 1's batch]:
-the same mean gradient. Also checks sharded == data_parallel (params and synced buffers),
-that each rank holds 1/2 of the state, the compile (fullgraph, 1 compile) and that a
-non-finite gradient on one rank skips the step on both. Writes
-sharded_results.json.
+the same mean gradient. Also records the state's layout on every rank (DTensor params and
+AdamW moments, Shard(0), uneven local rows), the graph-break counter and dynamo's explain,
+and checks sharded == data_parallel (params and synced buffers), the bytes each rank
+holds, the compile (fullgraph, 1 compile) and that a non-finite gradient on one rank
+skips the step on both. Writes sharded_results.json.
 """
 import os
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import _common as C
 import pimm_fn.distributed as D
 import pimm_fn.sharding as S
-from pimm_fn.compile import compile_step
+from pimm_fn.compile import compile_step, explain_step
 from pimm_fn.state import TrainState
 from pimm_fn.steps.supervised import supervised
 
@@ -37,8 +39,22 @@ def main():
     step = compile_step(S.sharded(clip_grad=0.5, sync_buffers=True))
     for b in batches:
         sh, m = step(sh, b)
+    # the state stays DTensors: params Shard(0) of their own shape (uneven rows: fc1 15 -> 8 + 7),
+    # AdamW's moments with the same placement and local rows
+    layout = {}
+    for k, p in sh.params.items():
+        mu, nu = sh.opt_state.mu[k], sh.opt_state.nu[k]
+        layout[k] = {"dtensor": all(isinstance(t, DTensor) for t in (p, mu, nu)),
+                     "placement": str(p.placements[0]), "shape": list(p.shape),
+                     "local": list(p.to_local().shape),
+                     "moments_match": all(t.placements == p.placements and t.to_local().shape == p.to_local().shape
+                                          for t in (mu, nu))}
+    graph_breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    per_rank = [None] * ctx.world_size
+    torch.distributed.all_gather_object(per_rank, {"layout": layout, "bytes": S.state_bytes(sh)})
     res = {"rank": ctx.rank, "steps": len(batches), "compile_count": step.compile_count,
-           "bytes_full": S.state_bytes(full0), "bytes_sharded": S.state_bytes(sh)}
+           "layout": [r["layout"] for r in per_rank], "graph_breaks": graph_breaks,
+           "bytes_full": S.state_bytes(full0), "bytes_sharded": [r["bytes"] for r in per_rank]}
     full = S.unshard(sh)
 
     dp, dp_step = fresh(), D.data_parallel(clip_grad=0.5, sync_buffers=True)
@@ -55,6 +71,11 @@ def main():
     res["inf_skipped"] = float(m["skipped"])
     res["inf_unchanged"] = all(torch.equal(after.params[k], sh.params[k]) for k in sh.params)
     res["inf_compile_count"] = step.compile_count
+    # dynamo's own account of the sharded step (collectives and DTensor conversions inside):
+    # graph breaks and their reasons; run last, explaining resets dynamo
+    ex = explain_step(S.sharded(clip_grad=0.5, sync_buffers=True), sh, batches[0])
+    res["explain"] = {"graphs": ex.graph_count, "graph_breaks": ex.graph_break_count,
+                      "break_reasons": [str(r) for r in ex.break_reasons]}
     if ctx.is_main:
         ref, ref_step = fresh(), supervised(clip_grad=0.5, accumulate=2)
         halves = zip(C.loader(data, B, 0, 2).iter_epoch(0), C.loader(data, B, 1, 2).iter_epoch(0))
