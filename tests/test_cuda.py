@@ -185,8 +185,8 @@ def test_fp16_loss_scale_matches_grad_scaler_on_cuda_and_skips_inf_steps():
         ref_scales.append(before)
         ref_skipped.append(scaler.get_scale() < before)
 
-    for step in (supervised(autocast="float16", loss_scale=LossScaleConfig(growth_interval=3)),
-                 compile_step(supervised(autocast="float16", loss_scale=LossScaleConfig(growth_interval=3)))):
+    for step in (supervised(autocast="float16", loss_scale_config=LossScaleConfig(growth_interval=3)),
+                 compile_step(supervised(autocast="float16", loss_scale_config=LossScaleConfig(growth_interval=3)))):
         state = TrainState.create(model, optim.sgd(lr=0.05, momentum=0.9), loss_scale=True)
         assert state.loss_scale.scale.device == DEV
         scales, skipped = [], []
