@@ -301,3 +301,38 @@ def test_resume_on_cuda_is_bitwise(tmp_path):
     for k in straight.params:
         assert torch.equal(straight.params[k], resumed.params[k]), k
     assert torch.equal(straight.loss_scale.scale, resumed.loss_scale.scale)
+
+
+def test_grpo_rollout_made_on_the_host_goes_to_the_states_device():
+    # A sampler whose mask and rewards are made on the CPU (as an environment's are):
+    # the step's prepare moves the rollout to the state's device before the compiled core.
+    from pimm_fn.steps.grpo import Rollout, grpo
+
+    n_obs, n_act, steps, events, group = 3, 4, 5, 2, 4
+
+    class Policy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(n_obs, n_act)
+
+        def log_probs(self, obs):
+            return torch.log_softmax(self.lin(obs), -1)
+
+    def sample(policy, batch, g):
+        obs = batch["x"].repeat_interleave(g, 0)
+        table = policy(obs)
+        actions = table.argmax(-1)
+        logp = table.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
+        mask = torch.ones(obs.shape[0], steps, dtype=torch.bool)  # host-made
+        return Rollout(traj={"obs": obs, "actions": actions, "logp_old": logp, "mask": mask})
+
+    def reward(batch, ro):
+        return torch.arange(events * group, dtype=torch.float32).view(events, group)  # host-made
+
+    torch.manual_seed(0)
+    state = TrainState.create(Policy(), optim.adam(lr=0.05), device=DEV)
+    step = compile_step(grpo(sample=sample, reward=reward, group_size=group, policy_updates=2))
+    batch = to_device({"x": torch.randn(events, steps, n_obs)}, DEV)
+    new, m = step(state, batch)
+    assert new.params["lin.weight"].device == DEV and torch.isfinite(m["loss"])
+    assert not torch.equal(new.params["lin.weight"], state.params["lin.weight"])

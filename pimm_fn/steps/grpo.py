@@ -42,6 +42,7 @@ import torch
 
 from .. import rl
 from ..compile import Step
+from ..data.device import to_device
 from ..amp import LossScaleConfig, as_autocast, renamed_loss_scale
 from ..state import TrainState
 from ..tree import tree_map
@@ -149,7 +150,10 @@ class GRPOStep(Step):
         else:
             rl.validate_rewards(rewards, (n // g, g))
         metrics = {k: torch.as_tensor(v).detach().float().reshape(()) for k, v in dict(ro.metrics).items()}
-        return ro._replace(rewards=rewards.detach().float(), metrics=metrics)
+        ro = ro._replace(rewards=rewards.detach().float(), metrics=metrics)
+        # Rewards and trajectories made on the host (an environment, numpy) go where the
+        # state is, pinned and non-blocking; on the state's device already: no copy.
+        return to_device(ro, next(iter(state.params.values())).device)
 
     # ------------------------------------------------------------------ pure core
 
