@@ -80,7 +80,7 @@ def render(state: TrainState, loader, png) -> None:
     pred = eval_forward(state, {"image": batch["image"]})["cls_logits"].argmax(-1)
     fig, axes = plt.subplots(3, 8, figsize=(10, 4.2))
     for i, ax in enumerate(axes.flat):
-        ax.imshow(batch["image"][i, 0].numpy(), cmap="gray_r", vmin=0, vmax=1)
+        ax.imshow(batch["image"][i, 0].cpu().numpy(), cmap="gray_r", vmin=0, vmax=1)
         ok = int(pred[i]) == int(batch["label"][i])
         ax.set_title(f"{int(pred[i])}" + ("" if ok else f" (true {int(batch['label'][i])})"),
                      color="black" if ok else "red", fontsize=9)
@@ -97,14 +97,14 @@ def build(settings: dict, ctx) -> Run:
     train_loader = build_train_loader(
         DigitsImages("train"), batch_size=s["batch_size"], seed=s["seed"], collate_fn=image_collate,
         transform=random_shift(s["shift"]), num_workers=s["num_workers"], rank=ctx.rank,
-        world_size=ctx.world_size, iters_per_epoch=2 if ctx.quick else None)
-    val_loader = build_eval_loader(DigitsImages("val"), batch_size=256, collate_fn=image_collate)
+        world_size=ctx.world_size, iters_per_epoch=2 if ctx.quick else None, device=ctx.device)
+    val_loader = build_eval_loader(DigitsImages("val"), batch_size=256, collate_fn=image_collate, device=ctx.device)
     model = ImageClassifier(in_channels=1, num_classes=DigitsImages.num_classes, width=s["width"], depth=s["depth"])
     total = len(train_loader) * s["epochs"]
     warmup = max(1, int(total * s["warmup_pct"]))
     lr = schedules.linear_warmup(schedules.cosine(total, s["lr"], eta_min=s["lr"] / 100), warmup, 0.1)
     tx = optim.adamw(lr=lr, weight_decay=s["weight_decay"])
-    state = TrainState.create(model, tx, seed=s["seed"])
+    state = TrainState.create(model, tx, seed=s["seed"], device=ctx.device)  # where the loaders put the batches
     step = recipes.supervised_step(compile=s["compile"])
     return Run(state=state, loader=train_loader, step=step, epochs=s["epochs"],
                evaluate=lambda st: evaluate(st, val_loader), best_metric="acc", best_mode="max",

@@ -72,9 +72,10 @@ def build(settings: dict, ctx) -> Run:
     train_loader = build_train_loader(
         LidarBlocks("train"), batch_size=s["batch_size"], seed=s["seed"],
         transform=transform(s["grid_size"], "train"), num_workers=s["num_workers"],
-        rank=ctx.rank, world_size=ctx.world_size, iters_per_epoch=2 if ctx.quick else None)
+        rank=ctx.rank, world_size=ctx.world_size, iters_per_epoch=2 if ctx.quick else None,
+        device=ctx.device)
     val_loader = build_eval_loader(LidarBlocks("val"), batch_size=s["eval_batch_size"],
-                                   transform=transform(s["grid_size"], "test"))
+                                   transform=transform(s["grid_size"], "test"), device=ctx.device)
     model = PointSegNet(in_channels=4, num_classes=LidarBlocks.num_classes, width=s["width"],
                         deterministic=s["deterministic"])
     total = len(train_loader) * s["epochs"]
@@ -82,7 +83,8 @@ def build(settings: dict, ctx) -> Run:
     tx = recipes.adamw_one_cycle(total, s["lr"], weight_decay=s["weight_decay"], pct_start=s["pct_start"],
                                  groups=[{"keyword": "head", "lr": s["head_lr"], "name": "head"}])
     amp = s["amp"] or None
-    state = TrainState.create(model, tx, seed=s["seed"], loss_scale=(amp == "float16"))
+    # On the run's device (ctx.device: cuda:LOCAL_RANK on a GPU machine), as are the batches.
+    state = TrainState.create(model, tx, seed=s["seed"], loss_scale=(amp == "float16"), device=ctx.device)
     step = recipes.supervised_step(clip_grad=s["clip_grad"], autocast=amp, compile=s["compile"])
     return Run(state=state, loader=train_loader, step=step, epochs=s["epochs"],
                evaluate=recipes.segmentation_eval(val_loader, _INPUT_KEYS, LidarBlocks.num_classes,
