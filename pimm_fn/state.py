@@ -214,7 +214,9 @@ def check_one_device(state: "TrainState", device: torch.device) -> None:
     accessors, leaves, _ = optree.tree_flatten_with_accessor(fields, none_is_leaf=False, namespace=NAMESPACE)
     for accessor, leaf in zip(accessors, leaves):
         if isinstance(leaf, torch.Tensor) and not same_device(leaf.device, want):
-            off.append(f"{accessor.codify('state')} on {leaf.device}")
+            path = accessor.codify("")  # "['opt_state'].mu['w']": the field reads as an attribute
+            field = path[2:path.index("']")]
+            off.append(f"state.{field}{path[len(field) + 4:]} on {leaf.device}")
     if off:
         raise ValueError(
             f"the state's tensors must all be on {want}, but {len(off)} are not ({'; '.join(off[:4])}"

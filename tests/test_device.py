@@ -87,7 +87,7 @@ def test_a_model_split_over_devices_is_an_error_naming_the_fix():
 def test_state_tensors_off_device_are_named():
     state = TrainState.create(Net(), optim.adamw(1e-3), device="meta")
     bad = state.replace(opt_state=state.opt_state._replace(count=torch.zeros((), dtype=torch.int64)))
-    with pytest.raises(ValueError, match=r"1 are not \(state\[.opt_state.\]\.count on cpu\)"):
+    with pytest.raises(ValueError, match=r"1 are not \(state\.opt_state\.count on cpu\)"):
         check_one_device(bad, torch.device("meta"))
     check_one_device(state, torch.device("meta"))  # a consistent state passes
 
@@ -177,3 +177,13 @@ def test_a_compiled_step_checks_the_first_batch_device_before_tracing():
     with pytest.raises(ValueError, match=r"another device than the state \(meta\): 'x' on cpu, 'y' on cpu"):
         step(state, {"x": torch.randn(4, 3), "y": torch.randn(4, 2)})
     assert step.compile_count == 0  # refused before dynamo traced anything
+
+
+def test_off_device_paths_name_nested_entries():
+    state = TrainState.create(Net(), optim.adamw(1e-3), device="meta")
+    mu = dict(state.opt_state.mu)
+    mu["lin.weight"] = torch.zeros(2, 3)
+    bad = state.replace(opt_state=state.opt_state._replace(mu=mu), extra={"ref": {"w": torch.ones(1)}})
+    with pytest.raises(ValueError, match=r"2 are not \(state\.extra\['ref'\]\['w'\] on cpu; "
+                                         r"state\.opt_state\.mu\['lin\.weight'\] on cpu\)"):
+        check_one_device(bad, torch.device("meta"))
