@@ -2,8 +2,9 @@
 
 The state is an immutable attrs class registered as an optree pytree (namespace
 ``pimm_fn``). Tensor leaves: ``step``, ``params``, ``buffers``, ``opt_state`` and the
-loss-scale state. Host leaves (plain ints, never passed into a compiled graph): the RNG
-key and the data cursor. Static fields, kept out of the leaves: the model (used only
+loss-scale state, all on one device (``state.device``; see ``TrainState.create(device=)``).
+Host leaves (plain ints, never passed into a compiled graph, on no device): the RNG key
+and the data cursor. Static fields, kept out of the leaves: the model (used only
 through ``torch.func.functional_call``) and the optimizer transform.
 
 ``replace`` builds the new object with ``object.__new__`` + ``__dict__.update`` because
