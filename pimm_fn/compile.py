@@ -269,7 +269,15 @@ class CompiledStep:
             except Exception as err:  # noqa: BLE001 - a damaged or foreign file: compile instead
                 warnings.warn(f"the cached step {path} could not be loaded ({type(err).__name__}: {err}); "
                               "compiling it again and replacing the file", RuntimeWarning, stacklevel=3)
-        compiled = torch.compile(self.step.core, fullgraph=True, backend=self._backend, dynamic=self._dynamic)
+        # dynamic=None would let dynamo's automatic dynamic shapes follow what this process
+        # compiled before (another step over the same core code): the saved artifact would
+        # then be static or dynamic by the process's history. It is static (its key holds
+        # the shapes) unless the step is dynamic=True; a new shape fails its guards and
+        # compiles as without a cache, the changed dims dynamic.
+        dynamic = self._dynamic
+        if dynamic is None and not _marked_dynamic(batch):  # mark_dynamic'ed dims stay dynamic
+            dynamic = False
+        compiled = torch.compile(self.step.core, fullgraph=True, backend=self._backend, dynamic=dynamic)
         fn, count = None, self.compile_count
         for attempt in range(2):
             try:
@@ -300,6 +308,13 @@ class CompiledStep:
 
     def __repr__(self):
         return f"CompiledStep({self.step.name}, compiles={self.compile_count}, eager={self.eager})"
+
+
+def _marked_dynamic(batch) -> bool:
+    """Whether a tensor of ``batch`` carries dims marked with ``torch._dynamo.mark_dynamic``."""
+    from .tree import tree_leaves
+
+    return any(getattr(t, "_dynamo_dynamic_indices", None) for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
 
 
 def compile_step(step_fn, *, eager: bool = False, dynamic: Optional[bool] = None,
