@@ -45,10 +45,15 @@ def test_reduce_overhead_on_cpu_warns_and_compiles_as_the_default_mode():
     with pytest.warns(UserWarning, match="on cpu, where no CUDA graphs are recorded"):
         comp, _ = step(comp, batches[0])
     ref, _ = eager(ref, batches[0])
+    # Alone in a process the first call compiles once; after other steps over the same core
+    # code, dynamo's automatic-dynamic history can add a second graph inside that first call
+    # (reason 'unknown'). Either way nothing compiles after it: the default mode's steady state.
+    first_call = step.compile_count
+    assert first_call in (1, 2), step.recompile_reasons
     for b in batches[1:]:
         comp, cm = step(comp, b)
         ref, rm = eager(ref, b)
-    assert step.compile_count == 1
+    assert step.compile_count == first_call, step.recompile_reasons
     for k in ref.params:
         torch.testing.assert_close(comp.params[k], ref.params[k], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(cm["loss"], rm["loss"])
