@@ -105,7 +105,7 @@ class TensorBoard(_Buffered):
             time.sleep(0.05)
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
-        """Write one scalar now."""
+        """Write one scalar, after every row handed over before it (on the writer thread)."""
         self._write(step, {tag: float(value)})
 
     def _event(self, step: int, wall: float, tags: tuple, values) -> bytes:
