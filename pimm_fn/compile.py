@@ -19,6 +19,7 @@ from .boundary import (_CPU_GENERATOR, _DYNAMO_CONFIG, Step, _check_finite, _pre
                        seeded_rng)
 from .compile_modes import copy_tensors, mode_patches
 from .state import TrainState
+from .tree import tree_leaves
 
 __all__ = ["CompiledStep", "Step", "as_step", "compile_step", "explain_step", "seeded_rng"]
 
@@ -312,8 +313,6 @@ class CompiledStep:
 
 def _marked_dynamic(batch) -> bool:
     """Whether a tensor of ``batch`` carries dims marked with ``torch._dynamo.mark_dynamic``."""
-    from .tree import tree_leaves
-
     return any(getattr(t, "_dynamo_dynamic_indices", None) for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
 
 

@@ -55,10 +55,10 @@ def _bucketed_all_reduce(tensors: Sequence[torch.Tensor], op: str, group) -> lis
         flat = torch.cat([tensors[i].reshape(-1) for i in idx])
         reduced = funcol.all_reduce(flat, op, group)
         if not torch.compiler.is_compiling() and isinstance(reduced, funcol.AsyncCollectiveTensor):
-            # Eager: wait now. Views of an AsyncCollectiveTensor do not wait, so a metric
-            # nobody reads would leave its collective in flight; at interpreter exit gloo's
-            # worker thread then frees it without the GIL and the process aborts
-            # ("terminate called without an active exception"). Compiled graphs wait in-graph.
+            # Eager: wait now. Views of an AsyncCollectiveTensor (the split below) do not
+            # wait, so a metric nobody reads would leave its collective in flight and in
+            # funcol's work registry for the rest of the run. (Draining in-flight work
+            # before the process exits is shutdown()'s.) Compiled graphs wait in-graph.
             reduced = reduced.wait()
         offset = 0
         for i in idx:
