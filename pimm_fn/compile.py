@@ -68,6 +68,7 @@ class CompiledStep:
 
         isa_memo.install()  # inductor's CPU ISA probes: ~9 s of a cold compile, answered from disk
         patches = mode_patches(mode, dynamic, options)
+        self._patches = patches  # a cached step loads under them too (step_cache.load)
         # CUDA graphs (reduce-overhead, max-autotune): see _cudagraph_call.
         self._cudagraphs = bool(patches.get("triton.cudagraphs"))
         self._cudagraph_checked = False
@@ -263,7 +264,7 @@ class CompiledStep:
         self.cache_path = str(path)
         if path.exists():
             try:
-                fn = step_cache.load(path, self.step.core)
+                fn = step_cache.load(path, self.step.core, self._patches)
                 self.loaded_from_cache = True
                 self.compile_seconds.append(time.perf_counter() - start)
                 return fn

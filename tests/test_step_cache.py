@@ -154,3 +154,42 @@ def test_dropout_and_batchnorm_through_a_loaded_step_equal_the_plain_compiled_st
     for group in ("params", "buffers"):
         for k, v in getattr(plain, group).items():
             assert torch.equal(v, getattr(got, group)[k]), (group, k)
+
+
+def test_a_step_loads_under_the_inductor_options_it_was_compiled_with(tmp_path):
+    # A load re-derives every kernel's inductor-cache key from the inductor config in force,
+    # so a step compiled with options= and loaded without them would miss all its kernels
+    # and compile them again. Two fresh processes on a fresh inductor cache: the second
+    # loads the step and must add no kernel to that cache.
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from pimm_fn import TrainState, compile_step, optim, schedules, steps\n"
+        "from pimm_fn.models import MLPClassifier\n"
+        "torch.manual_seed(0)\n"
+        "s = TrainState.create(MLPClassifier(8, 3, hidden=(24,)), optim.adamw(schedules.constant(1e-3)), seed=0)\n"
+        "step = compile_step(steps.supervised(), cache=sys.argv[1],\n"
+        "                    options={'cpp_cache_precompile_headers': False})\n"
+        "s, m = step(s, {'x': torch.ones(12, 8), 'y': torch.zeros(12, dtype=torch.long)})\n"
+        "print(step.loaded_from_cache, step.compile_count, float(m['loss']))\n"
+    )
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "steps")], capture_output=True,
+                             text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.split()
+
+    def kernels():
+        return sorted(p.name for p in (tmp_path / "inductor").rglob("*.so"))
+
+    first = run()
+    built = kernels()
+    assert first[:2] == ["False", "1"] and built
+    second = run()
+    assert second == ["True", "0", first[2]]
+    assert kernels() == built
