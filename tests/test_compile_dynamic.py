@@ -32,3 +32,42 @@ def test_300_steps_with_point_counts_varying_50_percent_compile_at_most_3_times(
     assert step.compile_count <= 3, step.recompile_reasons
     assert torch.isfinite(metrics["loss"])
     assert int(state.step) == 300
+
+
+class _PointPolicy(torch.nn.Module):
+    """Per-point labels from a point's features: one shared [P, A] table per cloud."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+
+    def log_probs(self, feat):
+        return torch.log_softmax(self.net(feat), -1)
+
+
+def _sample_labellings(policy, batch, group_size):
+    from pimm_fn.steps.grpo import Rollout
+
+    table = policy(batch["feat"])                                    # [P, A]
+    u = torch.rand((group_size,) + tuple(table.shape)).clamp_(1e-10, 1 - 1e-7)
+    actions = (table.unsqueeze(0) - torch.log(-torch.log(u))).argmax(-1)  # [G, P]
+    logp = torch.gather(table.unsqueeze(0).expand(group_size, -1, -1), -1, actions.unsqueeze(-1)).squeeze(-1)
+    rewards = (actions == batch["label"]).float().mean(-1).view(1, group_size)
+    return Rollout(traj={"actions": actions, "logp_old": logp}, shared=batch["feat"], rewards=rewards)
+
+
+def test_grpo_over_a_shared_point_table_compiles_once_more_as_the_point_count_varies():
+    # Each trajectory labels every point of a cloud from one shared [P, A] table. torch
+    # 2.13's take_along_dim pinned P to its traced value, so every new point count
+    # recompiled (grpo_pointseg hit the recompile limit after 8 batches).
+    from pimm_fn.steps.grpo import grpo
+
+    torch.manual_seed(0)
+    state = TrainState.create(_PointPolicy(), optim.adam(lr=1e-2), seed=0)
+    step = compile_step(grpo(sample=_sample_labellings, group_size=4, policy_updates=2))
+    for points in (40, 57, 73, 91, 120, 133, 150, 171, 190, 205):
+        feat = torch.randn(points, 3)
+        state, metrics = step(state, {"feat": feat, "label": (feat[:, 0] > 0).long()})
+    assert step.compile_count <= 2, step.recompile_reasons
+    assert torch.isfinite(metrics["loss"])
+    assert int(state.step) == 10

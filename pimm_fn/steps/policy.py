@@ -103,7 +103,11 @@ def categorical_log_prob(policy: PolicyFn, shared, traj: dict) -> dict:
     entropy = -(table.exp() * table).sum(-1)
     while table.dim() < actions.dim() + 1:  # a table shared by every trajectory
         table = table.unsqueeze(0)
-    logp = torch.take_along_dim(table, actions.unsqueeze(-1), dim=-1).squeeze(-1)
+    # expand + gather, not take_along_dim: on torch 2.13 take_along_dim's broadcasting pins
+    # a dynamic size to its traced value (a guard Eq(s, 2031)), so a compiled step over a
+    # shared [P, A] table recompiled for every point count until the recompile limit.
+    table = table.expand(actions.shape + table.shape[-1:])
+    logp = table.gather(-1, actions.unsqueeze(-1)).squeeze(-1)
     return {"logp": logp, "entropy": entropy.expand_as(logp)}
 
 
