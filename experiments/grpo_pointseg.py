@@ -36,7 +36,7 @@ SETTINGS = {
     "pretrain_lr": 5e-3,
     "width": 16,
     "grid_size": 0.3,
-    "reward": "miou",         # "miou" or "acc"
+    "reward": "miou",         # "miou" / "acc" of each labelling, or "point" (per-point hits: dense credit)
     "temperature_note": "",   # (sampling is at temperature 1)
     "kl_coef": 0.0,
     "clip": 0.2,
@@ -76,14 +76,17 @@ def sample_labellings(policy, batch, group_size: int) -> Rollout:
 
 def make_reward(kind: str):
     """``reward(batch, rollout) -> [B, G]``: each labelling's mIoU (or accuracy) on its cloud."""
-    if kind not in ("miou", "acc"):
-        raise ValueError(f"reward must be 'miou' or 'acc', got {kind!r}")
+    if kind not in ("miou", "acc", "point"):
+        raise ValueError(f"reward must be 'miou', 'acc' or 'point', got {kind!r}")
 
     def reward(batch, ro: Rollout) -> torch.Tensor:
         actions, mask = ro.traj["actions"], ro.traj["mask"]
         target = batch["segment"]
         n = actions.shape[0]
         b = batch["offset"].shape[0]
+        if kind == "point":  # [B, G, P]: 1 where a point's sampled label is right
+            hit = (actions == target.unsqueeze(0)) & mask & (target != -1).unsqueeze(0)
+            return hit.float().view(b, n // b, -1)
         valid = mask & (target != -1).unsqueeze(0)             # [N, P]
         out = torch.zeros(n)
         for i in range(n):
@@ -152,7 +155,9 @@ def build(settings: dict, ctx) -> Run:
     state = TrainState.create(policy, tx, seed=s["seed"])
     if s["kl_coef"]:
         state = with_reference(state)
+    per_point = s["reward"] == "point"  # per-point rewards: each point's own advantage (gamma 0)
     step = grpo(sample=sample_labellings, reward=make_reward(s["reward"]), group_size=s["group_size"],
+                advantage="step" if per_point else "grpo", gamma=0.0 if per_point else 1.0,
                 policy_updates=s["policy_updates"], microbatch_size=s["microbatch_size"],
                 clip_low=s["clip"], clip_high=s["clip"], kl_coef=s["kl_coef"])
     if s["compile"]:
