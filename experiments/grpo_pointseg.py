@@ -75,7 +75,9 @@ def sample_labellings(policy, batch, group_size: int) -> Rollout:
 
 
 def make_reward(kind: str):
-    """``reward(batch, rollout) -> [B, G]``: each labelling's mIoU (or accuracy) on its cloud."""
+    """``reward(batch, rollout)``: each labelling's mIoU or accuracy on its cloud, ``[B, G]``;
+    or with ``"point"``, ``[B, G, P]`` per-point hits (0 off the cloud and at ignored
+    points), which the step turns into per-point advantages (``advantage="step"``, gamma 0)."""
     if kind not in ("miou", "acc", "point"):
         raise ValueError(f"reward must be 'miou', 'acc' or 'point', got {kind!r}")
 
