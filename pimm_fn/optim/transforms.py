@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from ..hoist import hoist
 from ..tree import global_norm, tree_leaves, tree_map
 from .base import GradientTransformation, ScalarOrSchedule
 
@@ -107,20 +108,20 @@ def sgd(
             grads = tree_map(lambda g, p: torch.add(g, p, alpha=weight_decay), grads, params)
         buf = state.momentum
         if use_momentum:
-            m = _value64(momentum, count)
-            first = count == 0
+            m = _PerDtype(m=_value64(momentum, count))
+            first = hoist(count == 0)
 
             def new_buf(b, g):
-                blended = torch.add(b * m.to(b.dtype), g, alpha=1.0 - dampening)
+                blended = torch.add(b * m(b.dtype)["m"], g, alpha=1.0 - dampening)
                 return torch.where(first, g, blended)
 
             buf = tree_map(new_buf, buf, grads)
             if nesterov:
-                grads = tree_map(lambda g, b: g + b * m.to(b.dtype), grads, buf)
+                grads = tree_map(lambda g, b: g + b * m(b.dtype)["m"], grads, buf)
             else:
                 grads = buf
-        neg_lr = -lr_t
-        updates = tree_map(lambda d: d * neg_lr.to(d.dtype), grads)
+        neg_lr = _PerDtype(neg_lr=-lr_t)
+        updates = tree_map(lambda d: d * neg_lr(d.dtype)["neg_lr"], grads)
         return updates, SgdState(count=count + 1, momentum=buf)
 
     def hyperparams(state):
@@ -130,6 +131,23 @@ def sgd(
         return _hyper(named, state.count)
 
     return GradientTransformation(init, update, hyperparams)
+
+
+class _PerDtype:
+    """Float64 step scalars rounded to a leaf's dtype once per dtype, and :func:`hoist`-ed.
+
+    Rounding where torch's kernels round them (float64 -> the param dtype) keeps torch's
+    numbers; hoisting keeps the compiled element loops from recomputing them.
+    """
+
+    def __init__(self, **scalars: torch.Tensor):
+        self._scalars = scalars
+        self._by_dtype: dict = {}
+
+    def __call__(self, dtype: torch.dtype) -> dict:
+        if dtype not in self._by_dtype:
+            self._by_dtype[dtype] = {k: hoist(v.to(dtype)) for k, v in self._scalars.items()}
+        return self._by_dtype[dtype]
 
 
 def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransformation:
@@ -153,8 +171,8 @@ def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransfor
         b1_t = _value64(b1, count)
         if weight_decay != 0.0 and not decoupled:
             grads = tree_map(lambda g, p: torch.add(g, p, alpha=weight_decay), grads, params)
-        one_minus_b1 = 1.0 - b1_t
-        mu = tree_map(lambda m, g: torch.lerp(m, g, one_minus_b1.to(m.dtype)), state.mu, grads)
+        weight = _PerDtype(one_minus_b1=1.0 - b1_t)
+        mu = tree_map(lambda m, g: torch.lerp(m, g, weight(m.dtype)["one_minus_b1"]), state.mu, grads)
         nu = tree_map(lambda v, g: torch.addcmul(v * b2, g, g, value=1.0 - b2), state.nu, grads)
         nu_max = state.nu_max
         if amsgrad:
@@ -167,16 +185,17 @@ def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransfor
         neg_step_size = -(lr_t / bias_c1)
         bias_c2_sqrt = torch.pow(bias_c2, 0.5)
         keep = 1.0 - lr_t * weight_decay
+        coefs = _PerDtype(bias_c2_sqrt=bias_c2_sqrt, neg_step_size=neg_step_size, keep=keep)
 
         def delta(m, v, p):
-            dt = m.dtype
-            denom = v.sqrt() / bias_c2_sqrt.to(dt) + eps
+            c = coefs(m.dtype)
+            denom = v.sqrt() / c["bias_c2_sqrt"] + eps
             # addcdiv's order: (value * exp_avg) / denom.
-            d = (neg_step_size.to(dt) * m) / denom
+            d = (c["neg_step_size"] * m) / denom
             if decoupled and weight_decay != 0.0:
                 # AdamW scales the param by (1 - lr * wd) before the Adam step; p * keep
                 # rounds as torch's mul_ does, and subtracting p from it is exact.
-                d = (p * keep.to(dt) - p) + d
+                d = (p * c["keep"] - p) + d
             return d
 
         updates = tree_map(delta, mu, nu_max if amsgrad else nu, params)
@@ -229,7 +248,7 @@ def clip_to_norm(grads, norm: torch.Tensor, max_norm: float):
     The one place the clipping rule lives: :func:`clip_by_global_norm` and the steps'
     shared update (:func:`pimm_fn.steps.common.guarded_update`) both call it.
     """
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    coef = hoist(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return tree_map(lambda g: g * coef.to(g.device), grads)
 
 

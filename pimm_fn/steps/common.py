@@ -7,6 +7,7 @@ import torch
 from torch.func import functional_call
 
 from ..amp import LossScaleConfig, unscale_factor, update_loss_scale
+from ..hoist import hoist
 from ..optim.base import apply_updates
 from ..optim.transforms import clip_to_norm
 from ..tree import all_finite, global_norm, tree_map, tree_where
@@ -154,13 +155,14 @@ def guarded_update(tx, params: dict, opt_state, grads: dict, *, loss: Optional[t
     new_scaler)``; ``finite`` is the 0-dim bool a step also gates its buffers with.
     """
     if scaler is not None:
-        inv = unscale_factor(scaler)
+        inv = hoist(unscale_factor(scaler))
         grads = tree_map(lambda g: g * inv, grads)
     if grad_transform is not None:
         grads = grad_transform(grads)
     finite = all_finite(grads)
     if loss is not None:
         finite = finite & torch.isfinite(loss)
+    finite = hoist(finite)  # read by every leaf's select below
     grad_norm = global_norm(grads)
     if clip_grad is not None:
         grads = clip_to_norm(grads, grad_norm, clip_grad)
