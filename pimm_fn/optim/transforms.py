@@ -108,20 +108,20 @@ def sgd(
             grads = tree_map(lambda g, p: torch.add(g, p, alpha=weight_decay), grads, params)
         buf = state.momentum
         if use_momentum:
-            m = _PerDtype(m=_value64(momentum, count))
+            m = _per_dtype(_value64(momentum, count))
             first = hoist(count == 0)
 
             def new_buf(b, g):
-                blended = torch.add(b * m(b.dtype)["m"], g, alpha=1.0 - dampening)
+                blended = torch.add(b * m(b.dtype), g, alpha=1.0 - dampening)
                 return torch.where(first, g, blended)
 
             buf = tree_map(new_buf, buf, grads)
             if nesterov:
-                grads = tree_map(lambda g, b: g + b * m(b.dtype)["m"], grads, buf)
+                grads = tree_map(lambda g, b: g + b * m(b.dtype), grads, buf)
             else:
                 grads = buf
-        neg_lr = _PerDtype(neg_lr=-lr_t)
-        updates = tree_map(lambda d: d * neg_lr(d.dtype)["neg_lr"], grads)
+        neg_lr = _per_dtype(-lr_t)
+        updates = tree_map(lambda d: d * neg_lr(d.dtype), grads)
         return updates, SgdState(count=count + 1, momentum=buf)
 
     def hyperparams(state):
@@ -133,21 +133,20 @@ def sgd(
     return GradientTransformation(init, update, hyperparams)
 
 
-class _PerDtype:
-    """Float64 step scalars rounded to a leaf's dtype once per dtype, and :func:`hoist`-ed.
+def _per_dtype(x64: torch.Tensor):
+    """``at(dtype)``: the float64 step scalar ``x64`` rounded to ``dtype`` once, and :func:`hoist`-ed.
 
-    Rounding where torch's kernels round them (float64 -> the param dtype) keeps torch's
-    numbers; hoisting keeps the compiled element loops from recomputing them.
+    Rounding where torch's kernels round it (float64 -> the param dtype) keeps torch's
+    numbers; hoisting keeps the compiled element loops from recomputing it per element.
     """
+    rounded: dict = {}
 
-    def __init__(self, **scalars: torch.Tensor):
-        self._scalars = scalars
-        self._by_dtype: dict = {}
+    def at(dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in rounded:
+            rounded[dtype] = hoist(x64.to(dtype))
+        return rounded[dtype]
 
-    def __call__(self, dtype: torch.dtype) -> dict:
-        if dtype not in self._by_dtype:
-            self._by_dtype[dtype] = {k: hoist(v.to(dtype)) for k, v in self._scalars.items()}
-        return self._by_dtype[dtype]
+    return at
 
 
 def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransformation:
@@ -171,8 +170,8 @@ def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransfor
         b1_t = _value64(b1, count)
         if weight_decay != 0.0 and not decoupled:
             grads = tree_map(lambda g, p: torch.add(g, p, alpha=weight_decay), grads, params)
-        weight = _PerDtype(one_minus_b1=1.0 - b1_t)
-        mu = tree_map(lambda m, g: torch.lerp(m, g, weight(m.dtype)["one_minus_b1"]), state.mu, grads)
+        weight = _per_dtype(1.0 - b1_t)
+        mu = tree_map(lambda m, g: torch.lerp(m, g, weight(m.dtype)), state.mu, grads)
         nu = tree_map(lambda v, g: torch.addcmul(v * b2, g, g, value=1.0 - b2), state.nu, grads)
         nu_max = state.nu_max
         if amsgrad:
@@ -185,17 +184,17 @@ def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransfor
         neg_step_size = -(lr_t / bias_c1)
         bias_c2_sqrt = torch.pow(bias_c2, 0.5)
         keep = 1.0 - lr_t * weight_decay
-        coefs = _PerDtype(bias_c2_sqrt=bias_c2_sqrt, neg_step_size=neg_step_size, keep=keep)
+        bias_c2_sqrt, neg_step_size, keep = map(_per_dtype, (bias_c2_sqrt, neg_step_size, keep))
 
         def delta(m, v, p):
-            c = coefs(m.dtype)
-            denom = v.sqrt() / c["bias_c2_sqrt"] + eps
+            dtype = m.dtype
+            denom = v.sqrt() / bias_c2_sqrt(dtype) + eps
             # addcdiv's order: (value * exp_avg) / denom.
-            d = (c["neg_step_size"] * m) / denom
+            d = (neg_step_size(dtype) * m) / denom
             if decoupled and weight_decay != 0.0:
                 # AdamW scales the param by (1 - lr * wd) before the Adam step; p * keep
                 # rounds as torch's mul_ does, and subtracting p from it is exact.
-                d = (p * c["keep"] - p) + d
+                d = (p * keep(dtype) - p) + d
             return d
 
         updates = tree_map(delta, mu, nu_max if amsgrad else nu, params)

@@ -8,6 +8,7 @@ import torch
 from .. import distributed as D
 from ..amp import LossScaleConfig, as_autocast, renamed_loss_scale, unscale_factor, update_loss_scale
 from ..compile import Step
+from ..hoist import hoist
 from ..optim.base import apply_updates
 from ..optim.transforms import clip_to_norm
 from ..steps.common import (
@@ -59,7 +60,7 @@ def sharded(ctx: Optional[D.DistContext] = None, *, clip_grad: Optional[float] =
         loss, out, grads, buffers = forward_backward(
             state.model, full, state.buffers, batch, scale=scale, autocast=policy, loss_key=loss_key)
         if scaler is not None:
-            inv = unscale_factor(scaler)
+            inv = hoist(unscale_factor(scaler))
             grads = tree_map(lambda g: g * inv, grads)
         if ctx.is_distributed:
             local = reduce_scatter_rows(grads, specs, ctx)
@@ -68,6 +69,7 @@ def sharded(ctx: Optional[D.DistContext] = None, *, clip_grad: Optional[float] =
             local = grads
             finite = all_finite(grads) & torch.isfinite(loss)
             grad_norm = global_norm(grads)
+        finite = hoist(finite)  # read by every leaf's select below
         if clip_grad is not None:
             local = clip_to_norm(local, grad_norm, clip_grad)
         updates, new_opt = state.tx.update(local, opt_state, params)
