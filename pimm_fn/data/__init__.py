@@ -1,4 +1,5 @@
-"""Data layer: collate, resumable sampler, loaders, multi-dataset mixing, transforms, data sets.
+"""Data layer: collate, resumable sampler, loaders, multi-dataset mixing, transforms, data sets
+(including generated LArTPC particle-imaging events).
 
 Everything here feeds ``fit`` through the loader protocol documented in
 :mod:`pimm_fn.data.loaders`; nothing here depends on steps or optimizers.
@@ -14,6 +15,7 @@ from .datasets import (
 from .device import DeviceLoader, batch_devices, check_batch_device, to_device
 from .dynamic import mark_point_dims_dynamic, pad_points_to_bucket
 from .fetch import DatasetMissingError, data_root, fetch, fetch_command
+from .lartpc import LArTPCEvents, lartpc_event
 from .loaders import (
     EpochLoader, build_eval_loader, build_train_loader, check_nonempty, sample_seed,
     samples_in, seed_worker,
@@ -30,6 +32,7 @@ __all__ = [
     "DeviceLoader", "batch_devices", "check_batch_device", "to_device",
     "mark_point_dims_dynamic", "pad_points_to_bucket",
     "DatasetMissingError", "data_root", "fetch", "fetch_command",
+    "LArTPCEvents", "lartpc_event",
     "EpochLoader", "build_eval_loader", "build_train_loader", "check_nonempty", "sample_seed",
     "samples_in", "seed_worker",
     "MultiDatasetLoader", "build_multi_loader",
