@@ -17,6 +17,7 @@ import torch._dynamo
 from .boundary import (_CPU_GENERATOR, _DYNAMO_CONFIG, Step, _check_finite, _prepare, _rank_seed,
                        _run_core, _run_probed, _run_unseeded, _validate_first_batch, _with_host, as_step,
                        seeded_rng)
+from . import torch_compat
 from .compile_modes import copy_tensors, mode_patches
 from .state import TrainState
 from .tree import tree_leaves
@@ -59,6 +60,7 @@ class CompiledStep:
         self._current: Optional[TrainState] = None  # an unseeded call's state (seeds a recompile)
         self._reseed = None  # (saved, seeded) generator states of a recompile seeded mid-call
         self._cudagraphs = False
+        self._points_marked = False  # the first point batch's dims were marked unbacked
         if eager:
             # Python control flow may draw only sometimes: an eager step seeds every call.
             self._rng_used = True
@@ -103,8 +105,12 @@ class CompiledStep:
         # transforms) handles BatchNorm's in-place buffer updates. Dynamo reads it only while
         # tracing, so it is switched on for the first call and, through guard_fail_fn, for a
         # recompile, not around every call: config.patch costs ~15 us, a cache hit ~0.
+        # Duck shaping is switched off with it: two point counts of a batch that happen to be
+        # equal (a level's points and another's patches) would otherwise share one symbol and
+        # a guard that they stay equal, and the next batch would recompile.
         if not self._flag_set and not _DYNAMO_CONFIG.trace_autograd_ops:
             _DYNAMO_CONFIG.trace_autograd_ops = True
+            torch_compat.set_duck_shaping(False)
             self._flag_set = True
 
     def __call__(self, state: TrainState, batch):
@@ -150,6 +156,8 @@ class CompiledStep:
             _validate_first_batch(batch, self.step.name, state)
             if self.step.check_batch is not None:
                 self.step.check_batch(state, batch)
+            if self._dynamic is None and self.cache_dir is None:
+                self._points_marked = mark_point_batch_dynamic(batch)
             self._allow_autograd_tracing()
         unseeded = self._rng_free and not torch.cuda.is_initialized()
         if unseeded:
@@ -195,6 +203,7 @@ class CompiledStep:
         finally:
             if self._flag_set:
                 _DYNAMO_CONFIG.trace_autograd_ops = False
+                torch_compat.set_duck_shaping(True)
                 self._flag_set = False
             if unseeded:
                 self._current = None
@@ -232,6 +241,23 @@ class CompiledStep:
         self._reseed = (saved, _CPU_GENERATOR.get_state())
 
     def _run_dynamo(self, state: TrainState, batch, unseeded: bool):
+        try:
+            return self._run_dynamo_autograd_retry(state, batch, unseeded)
+        except Exception as err:
+            if not (self._points_marked and torch_compat.is_data_dependent_error(err)):
+                raise
+            # The model reads a point count (a branch on a size, a host check): trace the
+            # point dims as guarded symbols instead; crossing a guard then recompiles.
+            warnings.warn(
+                f"step {self.step.name!r}: the model needs the value of a point count while tracing "
+                f"({str(err).splitlines()[0][:200]}); the point dims are traced with guards instead, so "
+                "batches whose sizes cross a guard compile again (see docs/models.md, 'Compiling point models')",
+                RuntimeWarning, stacklevel=4)
+            self._points_marked = False
+            mark_point_batch_dynamic(batch, unbacked=False)
+            return self._run_dynamo(state, batch, False)
+
+    def _run_dynamo_autograd_retry(self, state: TrainState, batch, unseeded: bool):
         try:
             return self._run(self._core, state, batch, unseeded)
         except torch._dynamo.exc.Unsupported as err:
@@ -312,9 +338,35 @@ class CompiledStep:
         return f"CompiledStep({self.step.name}, compiles={self.compile_count}, eager={self.eager})"
 
 
+def mark_point_batch_dynamic(batch, unbacked: bool = True) -> bool:
+    """Mark the leading dim of every tensor of a point batch (one with ``offset``) dynamic.
+
+    Point counts change with every batch (and a U-Net's topology holds one count per level):
+    compiled static first, a point model would compile twice, and with guarded symbolic
+    sizes again whenever a batch crosses a size the compiler chose by (inductor's CPU
+    reductions switch at 4,096 rows). Unbacked sizes (at least 2 rows) compile once for all
+    batches. ``offset`` (one row per cloud) keeps its size; other batches are left alone.
+    Returns whether anything was marked.
+    """
+    if not isinstance(batch, dict) or "offset" not in batch:
+        return False
+    for key, value in batch.items():
+        if key == "offset":
+            continue
+        for leaf in tree_leaves(value):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                if unbacked:
+                    torch_compat.mark_unbacked(leaf, 0)
+                else:
+                    torch_compat.clear_unbacked(leaf)
+                    torch_compat.mark_backed(leaf, 0)
+    return True
+
+
 def _marked_dynamic(batch) -> bool:
     """Whether a tensor of ``batch`` carries dims marked with ``torch._dynamo.mark_dynamic``."""
-    return any(getattr(t, "_dynamo_dynamic_indices", None) for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
+    return any(getattr(t, "_dynamo_dynamic_indices", None) or getattr(t, "_dynamo_weak_dynamic_indices", None)
+               for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
 
 
 def compile_step(step_fn, *, eager: bool = False, dynamic: Optional[bool] = None,
@@ -324,8 +376,12 @@ def compile_step(step_fn, *, eager: bool = False, dynamic: Optional[bool] = None
 
     step_fn: a :class:`Step` or a plain core function over TrainState.
     eager: run uncompiled (for debugging) behind the same interface.
-    dynamic: torch.compile's ``dynamic``; the default (None) compiles static first and
-        makes a varying dimension (the point count) dynamic on the first recompile.
+    dynamic: torch.compile's ``dynamic``. The default (None): on a point batch (a dict
+        with ``offset``) every tensor's leading dim (the point counts, a U-Net topology's
+        per-level counts) is traced as an unknown size from the first call, so the step
+        compiles once for all batches; a model that reads such a size falls back, with a
+        warning, to guarded symbolic sizes. Other batches compile static first and make a
+        varying dimension dynamic on the first recompile.
     mode / options: inductor mode and config patches. ``mode="reduce-overhead"`` records
         CUDA graphs: use it on CUDA with a static batch shape and a small step whose time
         is kernel launches (it replays the whole step in one launch; each call also copies

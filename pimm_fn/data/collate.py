@@ -20,7 +20,7 @@ import torch
 # (``origin_segment``, ``inverse``) have one row per *original* point and are excluded;
 # point_collate shifts ``inverse`` to index the batch and adds ``origin_offset``.
 POINT_KEYS = (
-    "coord", "grid_coord", "feat", "color", "normal", "strength", "intensity",
+    "coord", "grid_coord", "feat", "color", "normal", "strength", "intensity", "energy",
     "segment", "instance",
 )
 IGNORE_INDEX = -1

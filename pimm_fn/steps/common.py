@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.func import functional_call
 
 from ..amp import LossScaleConfig, unscale_factor, update_loss_scale
@@ -88,7 +89,9 @@ def scalar_metrics(out: dict, skip: Sequence[str] = ()) -> dict:
     metrics = {}
     if isinstance(out, dict):
         for k, v in out.items():
-            if k in skip or not isinstance(v, torch.Tensor) or v.numel() != 1:
+            # guard_or_true: a point count the compiler holds as unknown (unbacked) counts as
+            # "not one element" without a guard, which it could not evaluate.
+            if k in skip or not isinstance(v, torch.Tensor) or guard_or_true(v.numel() != 1):
                 continue
             metrics[k] = v.detach().float().reshape(())
     return metrics
