@@ -1,6 +1,6 @@
 """A training run for the SIGKILL resume test: restores the latest checkpoint, trains to the horizon.
 
-Run as ``python tests/fit_resume_script.py RUN_DIR [--slow-save-at STEP]``. It prints
+Run as ``python tests/fit_resume_script.py RUN_DIR [--slow-save-at STEP] [--model ptv3]``. It prints
 ``STEP n`` after each step (flushed) so the test can kill it at a chosen step; with
 ``--slow-save-at`` it prints ``IN_SAVE n`` once the checkpoint file of step n is written
 under its temporary name but not yet renamed, then sleeps, so the kill lands mid-write.
@@ -44,11 +44,32 @@ def build_loader():
                               collate_fn=torch.utils.data.default_collate)
 
 
+def build_ptv3():
+    """The PTv3-class backbone (tiny) on synthetic scenes, its topology from the collate in 2
+    workers, AdamW + OneCycle with layer-wise lr decay, drop path on: (state, loader, step)."""
+    from pimm_fn import recipes
+    from pimm_fn.data import SyntheticScenes, build_train_loader, transforms as T
+    from pimm_fn.models import PTv3, layer_decay_groups
+    from pimm_fn.state import TrainState
+    from pimm_fn.steps.parallel import data_parallel
+
+    torch.manual_seed(0)
+    model = PTv3(3, SyntheticScenes.num_classes, enc_depths=(1, 1), enc_channels=(16, 32), enc_heads=(2, 4),
+                 dec_depths=(1,), dec_channels=(16,), dec_heads=(2,), patch_size=(32, 16), drop_path=0.2)
+    data = SyntheticScenes(num_scenes=16, seed=3, points=(200, 400))
+    loader = build_train_loader(data, batch_size=2, seed=7, num_workers=2, collate_fn=model.collate(),
+                                transform=T.compose(T.grid_sample(0.05), T.assemble_feat(("coord",))))
+    tx = recipes.adamw_one_cycle(EPOCHS * len(loader), 2e-3, weight_decay=0.05,
+                                 groups=layer_decay_groups(model, 2e-3, 0.8))
+    return TrainState.create(model, tx, seed=0), loader, data_parallel(clip_grad=1.0)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir")
     ap.add_argument("--slow-save-at", type=int, default=None)
     ap.add_argument("--sleep", type=float, default=0.1)
+    ap.add_argument("--model", choices=("mlp", "ptv3"), default="mlp")
     args = ap.parse_args()
     saving = {"step": None}
 
@@ -71,16 +92,19 @@ def main():
         elif isinstance(event, ev.SaveRequested):
             saving["step"] = event.step
 
-    loader = build_loader()
+    if args.model == "ptv3":
+        init, loader, step = build_ptv3()
+    else:
+        init, loader, step = make_state(seed=0), build_loader(), step_fn
     callbacks = [
         report,
         TensorBoard(os.path.join(args.run_dir, "tb"), sync_every=3),
         TextLog(args.run_dir),
         Checkpoint(os.path.join(args.run_dir, "ckpt"), every_steps=5, every_epochs=1, keep_last=2),
     ]
-    state = resume(os.path.join(args.run_dir, "ckpt"), make_state(seed=0), loader=loader, callbacks=callbacks)
+    state = resume(os.path.join(args.run_dir, "ckpt"), init, loader=loader, callbacks=callbacks)
     print(f"START {int(state.step)}", flush=True)
-    res = fit(state, loader, step_fn, epochs=EPOCHS, callbacks=callbacks)
+    res = fit(state, loader, step, epochs=EPOCHS, callbacks=callbacks)
     paths, leaves, _ = tree_flatten_with_path((res.state.params, res.state.opt_state))
     torch.save({".".join(map(str, p)): t for p, t in zip(paths, leaves)}, os.path.join(args.run_dir, "final.pt"))
     print(f"DONE {int(res.state.step)} {res.status}", flush=True)

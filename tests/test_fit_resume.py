@@ -132,6 +132,29 @@ def test_sigkill_at_random_steps_resumes_bitwise(tmp_path):
     assert "Data " in log and "Step " in log and "Remain" in log
 
 
+@pytest.mark.slow
+def test_sigkill_resumes_the_ptv3_backbone_bitwise(tmp_path):
+    # The PTv3-class model (drop path drawing random numbers, order shuffles drawn in the
+    # loader's 2 workers, layer-wise lr groups) killed twice mid-epoch, on one thread.
+    ref_dir, run_dir = tmp_path / "uninterrupted", tmp_path / "killed"
+    ref = _Proc(ref_dir, "--sleep", "0", "--model", "ptv3")
+    for at in (6, 13):
+        proc = _Proc(run_dir, "--model", "ptv3")
+        hit = proc.wait_for(_step_at_least(at))
+        assert hit is not None, "the run ended before the planned kill:\n" + "\n".join(proc.log)
+        assert proc.kill() == -signal.SIGKILL
+    last = _Proc(run_dir, "--model", "ptv3")
+    start = int(last.wait_for(lambda line: line.startswith("START")).split()[1])
+    assert last.finish() == 0, "\n".join(last.log)
+    assert ref.finish() == 0, "\n".join(ref.log)
+    assert 0 < start < TOTAL and f"DONE {TOTAL} completed" in last.log[-1]
+    a = torch.load(ref_dir / "final.pt", weights_only=True)
+    b = torch.load(run_dir / "final.pt", weights_only=True)
+    assert a.keys() == b.keys() and any("attn.qkv" in k for k in a)
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"params / optimizer state differ after kills: {bad}"
+
+
 def test_torchtitan_half_restart_half_is_bitwise(tmp_path):
     import fit_resume_script as script
 
