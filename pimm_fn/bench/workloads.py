@@ -15,6 +15,10 @@ The models are the package's own (:mod:`pimm_fn.models`), the optimizer is
   would compile one extra graph, so the sizes stay on one side.
 - cnn: ``ImageClassifier(3, 10, width=32, depth=3)`` (conv-BN-ReLU, stride-2 blocks),
   batch 128 of 32x32 images.
+- ptv3: the PTv3-class backbone as ``experiments/ptv3_seg.py`` sizes it (3 levels, 32-128
+  channels, patches 128/64/32, drop path off so every way draws no random numbers) on real
+  LiDAR batches of 4 voxelised blocks each (point counts vary; the topology comes with the
+  batch from the collate).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..models import ImageClassifier, MLPClassifier, PointSegNet
+from ..models.ptv3 import PTv3, PTv3Collate
 from ..optim import adamw
 from ..schedules import one_cycle
 from ..state import TrainState
@@ -41,11 +46,15 @@ def make_optimizer():
     return adamw(one_cycle(TOTAL_STEPS, MAX_LR), weight_decay=WEIGHT_DECAY), "pimm_fn.optim.adamw + schedules.one_cycle"
 
 
+PTV3_CONFIG = dict(enc_depths=(1, 1, 2), enc_channels=(32, 64, 128), enc_heads=(2, 4, 8), dec_depths=(1, 1),
+                   dec_channels=(32, 64), dec_heads=(2, 4), patch_size=(128, 64, 32), drop_path=0.0)
+
 MODELS = {
     "mlp": (lambda: MLPClassifier(256, 10, hidden=(512, 512)), "pimm_fn.models.MLPClassifier(256, 10, hidden=(512, 512))"),
     "pointseg": (lambda: PointSegNet(3, POINT_CLASSES, width=32, strides=(2, 4, 8)),
                  "pimm_fn.models.PointSegNet(3, 13, width=32, strides=(2, 4, 8))"),
     "cnn": (lambda: ImageClassifier(3, 10, width=32, depth=3), "pimm_fn.models.ImageClassifier(3, 10, width=32, depth=3)"),
+    "ptv3": (lambda: PTv3(4, 3, **PTV3_CONFIG), f"pimm_fn.models.PTv3(4, 3, **{PTV3_CONFIG})"),
 }
 
 
@@ -93,6 +102,23 @@ def point_batches(n=8, clouds=CLOUDS, lo=POINTS_LO, hi=POINTS_HI, fixed=False, s
     return out
 
 
+def lidar_ptv3_batches(n=8, batch=4, seed=0):
+    """n training batches of the real LiDAR tile (4 augmented, voxelised blocks each), with topology."""
+    from ..data import LidarBlocks, build_train_loader, transforms as T
+
+    transform = T.compose(T.random_rotate(axis="z"), T.random_flip(0.5), T.grid_sample(0.25, mode="train"),
+                          T.center_shift(apply_z=False), T.assemble_feat(("coord", "intensity")))
+    spec = PTv3(4, 3, **PTV3_CONFIG).spec
+    loader = build_train_loader(LidarBlocks("train"), batch_size=batch, seed=seed, transform=transform,
+                                collate_fn=PTv3Collate(spec))
+    out = []
+    for epoch in range(n):
+        out += list(loader.iter_epoch(epoch, 0))
+        if len(out) >= n:
+            return out[:n]
+    return out
+
+
 def cnn_batches(n=4, batch=128, classes=10, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [{"image": torch.randn(batch, 3, 32, 32, generator=g),
@@ -136,7 +162,11 @@ def cnn(n_batches: int = 4, batch: int = 128, device=None):
     return _workload("cnn", cnn_batches(n_batches, batch), device)
 
 
-WORKLOADS = {"mlp": mlp, "pointseg": pointseg, "pointseg_fixed": pointseg_fixed, "cnn": cnn}
+def ptv3(n_batches: int = 8, device=None):
+    return _workload("ptv3", lidar_ptv3_batches(n_batches), device)
+
+
+WORKLOADS = {"mlp": mlp, "pointseg": pointseg, "pointseg_fixed": pointseg_fixed, "cnn": cnn, "ptv3": ptv3}
 
 
 # --------------------------------------------------------------------------------------
