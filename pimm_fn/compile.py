@@ -61,6 +61,7 @@ class CompiledStep:
         self._reseed = None  # (saved, seeded) generator states of a recompile seeded mid-call
         self._cudagraphs = False
         self._points_marked = False  # the first point batch's dims were marked unbacked
+        self._dynamic = dynamic
         if eager:
             # Python control flow may draw only sometimes: an eager step seeds every call.
             self._rng_used = True
@@ -93,7 +94,6 @@ class CompiledStep:
             self._allow_autograd_tracing()
             self._seed_mid_call()
 
-        self._dynamic = dynamic
         self._first_batch = None  # the cached step's example batch (shapes only are read)
         self._core = torch._dynamo.optimize(
             backend, nopython=True, dynamic=dynamic, guard_fail_fn=on_guard_fail,
@@ -156,7 +156,7 @@ class CompiledStep:
             _validate_first_batch(batch, self.step.name, state)
             if self.step.check_batch is not None:
                 self.step.check_batch(state, batch)
-            if self._dynamic is None and self.cache_dir is None:
+            if self._dynamic is None and self.cache_dir is None and not self.eager:
                 self._points_marked = mark_point_batch_dynamic(batch)
             self._allow_autograd_tracing()
         unseeded = self._rng_free and not torch.cuda.is_initialized()
