@@ -34,6 +34,7 @@ EXPERIMENTS = {
     "multi_dataset_seg": (True, True),
     "instance_seg": (True, True),
     "ptv3_seg": (True, True),
+    "particle_seg": (True, True),
     "grpo_pointseg": (True, False),
     "grpo_cartpole": (True, False),
 }
@@ -234,7 +235,8 @@ LEARN_STEPS = 30
 LEARN_MARGIN = 0.7   # loss after LEARN_STEPS on one batch <= 0.7 x the first step's loss
 
 
-@pytest.mark.parametrize("name", ["lidar_seg", "frog_seg", "digits_cls", "multi_dataset_seg", "instance_seg", "ptv3_seg"])
+@pytest.mark.parametrize("name", ["lidar_seg", "frog_seg", "digits_cls", "multi_dataset_seg", "instance_seg", "ptv3_seg",
+                                  "particle_seg"])
 def test_experiment_learns_one_batch(name, tmp_path):
     from pimm_fn.experiment import RunContext, experiment_settings, load_experiment
 
