@@ -20,7 +20,6 @@ from pimm_fn.data import LidarBlocks, build_eval_loader, build_train_loader, tra
 from pimm_fn.experiment import Run
 from pimm_fn.models import PointSegNet
 from pimm_fn.state import TrainState
-from pimm_fn.steps.common import eval_forward
 
 SETTINGS = {
     "epochs": 60,
@@ -54,18 +53,6 @@ def transform(grid_size: float, mode: str):
                      T.assemble_feat(("coord", "intensity")))
 
 
-def render(state: TrainState, loader, png) -> None:
-    """The first validation block coloured by prediction beside its ground truth."""
-    from pimm_fn.report import render_point_cloud
-
-    batch = next(iter(loader.iter_epoch(0, 0)))
-    out = eval_forward(state, {k: batch[k] for k in _INPUT_KEYS})
-    n = int(batch["offset"][0])  # the batch's first block
-    pred = out["seg_logits"].argmax(-1)[:n]
-    render_point_cloud(batch["coord"][:n], pred, batch["segment"][:n], png, LidarBlocks.class_names,
-                       title=f"LiDAR validation block, step {int(state.step)}")
-
-
 def build(settings: dict, ctx) -> Run:
     s = settings
     torch.manual_seed(s["seed"])
@@ -90,5 +77,6 @@ def build(settings: dict, ctx) -> Run:
                evaluate=recipes.segmentation_eval(val_loader, _INPUT_KEYS, LidarBlocks.num_classes,
                                                   LidarBlocks.class_names),
                best_metric="mIoU", best_mode="max",
-               render=lambda st, png: render(st, val_loader, png),
+               render=lambda st, png: recipes.render_first_cloud(
+                   st, val_loader, png, _INPUT_KEYS, LidarBlocks.class_names, "LiDAR validation block"),
                eval_every_epochs=max(1, s["epochs"] // 10))

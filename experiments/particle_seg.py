@@ -21,7 +21,6 @@ from pimm_fn.data import LArTPCEvents, build_eval_loader, build_train_loader
 from pimm_fn.experiment import Run
 from pimm_fn.models.ptv3 import PTv3, layer_decay_groups
 from pimm_fn.state import TrainState
-from pimm_fn.steps.common import eval_forward
 
 SETTINGS = {
     "epochs": 3,
@@ -44,7 +43,7 @@ SETTINGS = {
     "compile": True,
     "seed": 0,
 }
-QUICK = {"epochs": 1, "steps_per_epoch": 2, "val_events": 8}
+QUICK = {"epochs": 1, "steps_per_epoch": 2, "val_events": 8, "batch_size": 2}
 MINIMUM = {"epochs": 1, "steps_per_epoch": 1, "batch_size": 1, "val_events": 1, "num_workers": 0}
 
 _INPUT_KEYS = ("coord", "grid_coord", "feat", "offset", "topology")
@@ -74,18 +73,6 @@ def make_model(s: dict) -> PTv3:
                 loss="ce+lovasz" if s["lovasz"] else "ce")
 
 
-def render(state: TrainState, loader, png) -> None:
-    """The first validation event coloured by prediction beside its truth (top view)."""
-    from pimm_fn.report import render_point_cloud
-
-    batch = next(iter(loader.iter_epoch(0, 0)))
-    out = eval_forward(state, {k: batch[k] for k in _INPUT_KEYS})
-    n = int(batch["offset"][0])
-    pred = out["seg_logits"].argmax(-1)[:n]
-    render_point_cloud(batch["coord"][:n], pred, batch["segment"][:n], png, LArTPCEvents.class_names,
-                       title=f"LArTPC validation event (PTv3), step {int(state.step)}")
-
-
 def build(settings: dict, ctx) -> Run:
     s = settings
     torch.manual_seed(s["seed"])
@@ -109,4 +96,5 @@ def build(settings: dict, ctx) -> Run:
                evaluate=recipes.segmentation_eval(val_loader, _INPUT_KEYS, LArTPCEvents.num_classes,
                                                   LArTPCEvents.class_names),
                best_metric="mIoU", best_mode="max",
-               render=lambda st, png: render(st, val_loader, png), eval_every_epochs=1)
+               render=lambda st, png: recipes.render_first_cloud(
+                   st, val_loader, png, _INPUT_KEYS, LArTPCEvents.class_names, "LArTPC validation event (PTv3)"), eval_every_epochs=1)

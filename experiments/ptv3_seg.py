@@ -20,7 +20,6 @@ from pimm_fn.data import LidarBlocks, build_eval_loader, build_train_loader, tra
 from pimm_fn.experiment import Run
 from pimm_fn.models.ptv3 import PTv3, layer_decay_groups
 from pimm_fn.state import TrainState
-from pimm_fn.steps.common import eval_forward
 
 SETTINGS = {
     "epochs": 60,
@@ -62,18 +61,6 @@ def make_model(s: dict) -> PTv3:
                 dec_heads=[c // 16 for c in ch[:levels - 1]], patch_size=s["patch_size"], drop_path=s["drop_path"])
 
 
-def render(state: TrainState, loader, png) -> None:
-    """The first validation block coloured by prediction beside its ground truth."""
-    from pimm_fn.report import render_point_cloud
-
-    batch = next(iter(loader.iter_epoch(0, 0)))
-    out = eval_forward(state, {k: batch[k] for k in _INPUT_KEYS})
-    n = int(batch["offset"][0])
-    pred = out["seg_logits"].argmax(-1)[:n]
-    render_point_cloud(batch["coord"][:n], pred, batch["segment"][:n], png, LidarBlocks.class_names,
-                       title=f"LiDAR validation block (PTv3), step {int(state.step)}")
-
-
 def build(settings: dict, ctx) -> Run:
     s = settings
     torch.manual_seed(s["seed"])
@@ -94,5 +81,6 @@ def build(settings: dict, ctx) -> Run:
                evaluate=recipes.segmentation_eval(val_loader, _INPUT_KEYS, LidarBlocks.num_classes,
                                                   LidarBlocks.class_names),
                best_metric="mIoU", best_mode="max",
-               render=lambda st, png: render(st, val_loader, png),
+               render=lambda st, png: recipes.render_first_cloud(
+                   st, val_loader, png, _INPUT_KEYS, LidarBlocks.class_names, "LiDAR validation block (PTv3)"),
                eval_every_epochs=max(1, s["epochs"] // 10))

@@ -8,6 +8,7 @@ settings). Each recipe is a thin composition of the engine's public parts:
     supervised_step     the supervised step, data-parallel under torchrun, compiled
     point_predictions   an ``Evaluate`` eval_fn: argmax labels at full resolution
     segmentation_eval   an ``Evaluate`` over a point-cloud loader with a SegmentationMetric
+    render_first_cloud  a run's picture: a validation cloud by prediction beside its truth
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from .metrics import SegmentationMetric
 from .steps.common import eval_forward
 from .steps.parallel import data_parallel
 
-__all__ = ["adamw_one_cycle", "point_predictions", "segmentation_eval", "supervised_step"]
+__all__ = ["adamw_one_cycle", "point_predictions", "render_first_cloud", "segmentation_eval", "supervised_step"]
 
 
 def adamw_one_cycle(total_steps: int, lr: float, *, weight_decay: float, pct_start: float = 0.3,
@@ -81,3 +82,17 @@ def segmentation_eval(loader, input_keys: Sequence[str], num_classes: int, names
     """
     metric = SegmentationMetric(num_classes, names=names, **metric_options)
     return Evaluate(point_predictions(input_keys, logits_key), loader, metric=metric, name=name)
+
+
+def render_first_cloud(state, loader, png, input_keys: Sequence[str], class_names: Sequence[str], title: str,
+                       logits_key: str = "seg_logits") -> None:
+    """The first cloud of ``loader``'s first batch coloured by prediction beside its ground
+    truth (a top view, :func:`pimm_fn.report.render_point_cloud`) into ``png``."""
+    from .report import render_point_cloud
+
+    batch = next(iter(loader.iter_epoch(0, 0)))
+    out = eval_forward(state, {k: batch[k] for k in input_keys})
+    n = int(batch["offset"][0])
+    pred = out[logits_key].argmax(-1)[:n]
+    render_point_cloud(batch["coord"][:n], pred, batch["segment"][:n], png, class_names,
+                       title=f"{title}, step {int(state.step)}")

@@ -29,11 +29,12 @@ TOTAL = 24  # fit_resume_script: 3 epochs x 8 steps
 
 
 class _Proc:
-    """The script in its own process group, its output lines in a queue."""
+    """A run script (fit_resume_script.py unless ``script``) in its own process group, its
+    output lines in a queue."""
 
-    def __init__(self, run_dir, *args):
+    def __init__(self, run_dir, *args, script=SCRIPT):
         env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.p = subprocess.Popen([sys.executable, SCRIPT, str(run_dir), *args], stdout=subprocess.PIPE,
+        self.p = subprocess.Popen([sys.executable, str(script), str(run_dir), *args], stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
         self.lines = queue.Queue()
         self.log = []

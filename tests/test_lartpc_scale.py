@@ -15,11 +15,9 @@
 import itertools
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -33,6 +31,7 @@ from pimm_fn.checkpoint import CheckpointDir  # noqa: E402
 from pimm_fn.data import LArTPCEvents, build_train_loader  # noqa: E402
 from pimm_fn.data.sampler import epoch_order  # noqa: E402
 from test_distributed_torchrun import _env, _free_port  # noqa: E402
+from test_fit_resume import _Proc as _ScriptProc  # noqa: E402
 
 NUM_EVENTS = 1_000_000
 
@@ -88,38 +87,11 @@ ROOT = HERE.parent
 SCRIPT = HERE / "lartpc_resume_script.py"
 
 
-class _Proc:
+class _Proc(_ScriptProc):
     """lartpc_resume_script.py in its own process group, its output lines in a queue."""
 
     def __init__(self, run_dir, *args):
-        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.p = subprocess.Popen([sys.executable, str(SCRIPT), str(run_dir), *args], stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
-        self.lines = queue.Queue()
-        self.log = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self):
-        for line in self.p.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
-    def wait_for(self, pred, timeout=120):
-        while True:
-            line = self.lines.get(timeout=timeout)
-            if line is None:
-                return None
-            self.log.append(line)
-            if pred(line):
-                return line
-
-    def kill(self):
-        os.killpg(self.p.pid, signal.SIGKILL)  # the script and its 2 loader workers
-        return self.p.wait(timeout=60)
-
-    def finish(self):
-        self.wait_for(lambda line: False)
-        return self.p.wait(timeout=120)
+        super().__init__(run_dir, *args, script=SCRIPT)
 
     def steps(self) -> list:
         """(step, position, names) of the STEP lines seen so far."""

@@ -13,7 +13,7 @@ from pimm_fn.callbacks import Checkpoint, on, resume
 from pimm_fn import events as ev
 from pimm_fn.compile import compile_step, explain_step
 from pimm_fn.models.ptv3 import PTv3, _NeighbourGather, layer_decay_groups
-from pimm_fn.models.serialization import (ORDERS, TopologySpec, build_topology, grid_pool, hilbert_code,
+from pimm_fn.models.serialization import (ORDERS, TopologySpec, grid_pool, hilbert_code,
                                           neighbour_map, patch_slots, serial_code, z_order_code)
 from pimm_fn.steps.parallel import data_parallel
 from pimm_fn.tree import tree_leaves
