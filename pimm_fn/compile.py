@@ -365,8 +365,7 @@ def mark_point_batch_dynamic(batch, unbacked: bool = True) -> bool:
 
 def _marked_dynamic(batch) -> bool:
     """Whether a tensor of ``batch`` carries dims marked with ``torch._dynamo.mark_dynamic``."""
-    return any(getattr(t, "_dynamo_dynamic_indices", None) or getattr(t, "_dynamo_weak_dynamic_indices", None)
-               for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
+    return any(getattr(t, "_dynamo_dynamic_indices", None) for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
 
 
 def compile_step(step_fn, *, eager: bool = False, dynamic: Optional[bool] = None,
