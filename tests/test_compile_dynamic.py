@@ -65,7 +65,9 @@ def test_a_model_that_reads_its_point_count_falls_back_to_guarded_sizes_with_a_w
     for n in (90, 120, 64):
         state, metrics = step(state, batch(n))
     assert torch.isfinite(metrics["loss"]) and int(state.step) == 4
-    assert step.compile_count == 1, step.recompile_reasons  # every size on the same side of the guard
+    # Every size is on the same side of the guard; after another step over the same core
+    # code in this process, dynamo's automatic-dynamic history may add one compile ("unknown").
+    assert step.compile_count <= 2, step.recompile_reasons
 
 
 class _PointPolicy(torch.nn.Module):
