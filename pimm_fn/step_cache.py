@@ -142,6 +142,8 @@ class _Hasher:
 
     def function(self, fn: types.FunctionType, depth: int) -> None:
         self.text(f"function:{fn.__module__}.{fn.__qualname__}")
+        if (fn.__module__ or "").split(".")[0] == "torch":
+            return  # torch's version is in the key already; its globals hold per-process state
         self.code(fn.__code__, fn.__globals__, depth)
         self.value(fn.__defaults__, depth)
         self.value(fn.__kwdefaults__, depth)
