@@ -19,7 +19,7 @@ size) or inside the model's forward (see docs/models.md for the measured compari
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import attrs
 import torch
@@ -214,22 +214,3 @@ def build_topology(grid_coord: torch.Tensor, offset: torch.Tensor, spec: Topolog
             entry["pool"], grid, batch = grid_pool(grid, batch, spec.stride)
         levels.append(entry)
     return {"levels": levels}
-
-
-def check_topology(topology, spec: TopologySpec, num_points: int) -> None:
-    """Host check that a batch's topology matches ``spec`` (ValueError naming the mismatch)."""
-    levels = topology.get("levels") if isinstance(topology, dict) else None
-    if not isinstance(levels, Sequence) or len(levels) != spec.levels:
-        got = len(levels) if isinstance(levels, Sequence) else type(topology).__name__
-        raise ValueError(f"the batch's topology has {got} levels, the model {spec.levels}: build it with the "
-                         "model's own collate (model.collate()) or the same TopologySpec")
-    n = num_points
-    for i, (entry, k) in enumerate(zip(levels, spec.patch_sizes)):
-        if entry["neighbours"].shape != (n, 27):
-            raise ValueError(f"topology level {i}: neighbours has shape {tuple(entry['neighbours'].shape)}, "
-                             f"expected ({n}, 27): was it built for another batch?")
-        if len(entry["patches"]) != len(spec.orders) or any(p.shape[1] != k for p in entry["patches"]):
-            raise ValueError(f"topology level {i}: patches were built for other orders or patch sizes than "
-                             f"the model's ({len(spec.orders)} orders, K={k})")
-        if "pool" in entry:
-            n = int(entry["pool"].max()) + 1
