@@ -66,11 +66,9 @@ def cpu_has_bf16() -> bool:
 
 
 def make_model(s: dict) -> PTv3:
-    ch, levels = list(s["channels"]), len(s["channels"])
-    return PTv3(4, LArTPCEvents.num_classes, enc_depths=s["depths"], enc_channels=ch,
-                enc_heads=[c // 16 for c in ch], dec_depths=s["dec_depths"], dec_channels=ch[:levels - 1],
-                dec_heads=[c // 16 for c in ch[:levels - 1]], patch_size=s["patch_size"], drop_path=s["drop_path"],
-                loss="ce+lovasz" if s["lovasz"] else "ce")
+    return recipes.ptv3_unet(4, LArTPCEvents.num_classes, channels=s["channels"], depths=s["depths"],
+                             dec_depths=s["dec_depths"], patch_size=s["patch_size"], drop_path=s["drop_path"],
+                             loss="ce+lovasz" if s["lovasz"] else "ce")
 
 
 def build(settings: dict, ctx) -> Run:

@@ -9,6 +9,7 @@ settings). Each recipe is a thin composition of the engine's public parts:
     point_predictions   an ``Evaluate`` eval_fn: argmax labels at full resolution
     segmentation_eval   an ``Evaluate`` over a point-cloud loader with a SegmentationMetric
     render_first_cloud  a run's picture: a validation cloud by prediction beside its truth
+    ptv3_unet           a PTv3 sized by its encoder widths (the decoder mirrors them)
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from .metrics import SegmentationMetric
 from .steps.common import eval_forward
 from .steps.parallel import data_parallel
 
-__all__ = ["adamw_one_cycle", "point_predictions", "render_first_cloud", "segmentation_eval", "supervised_step"]
+__all__ = ["adamw_one_cycle", "point_predictions", "ptv3_unet", "render_first_cloud", "segmentation_eval",
+           "supervised_step"]
 
 
 def adamw_one_cycle(total_steps: int, lr: float, *, weight_decay: float, pct_start: float = 0.3,
@@ -96,3 +98,18 @@ def render_first_cloud(state, loader, png, input_keys: Sequence[str], class_name
     pred = out[logits_key].argmax(-1)[:n]
     render_point_cloud(batch["coord"][:n], pred, batch["segment"][:n], png, class_names,
                        title=f"{title}, step {int(state.step)}")
+
+
+def ptv3_unet(in_channels: int, num_classes: int, *, channels: Sequence[int], depths: Sequence[int],
+              dec_depths: Sequence[int], head_channels: int = 16, **options):
+    """:class:`pimm_fn.models.PTv3` with ``channels`` per encoder level, the decoder at the
+    same widths (its deepest level excepted) and one attention head per ``head_channels``.
+
+    options: patch_size, drop_path, loss, ... as for PTv3.
+    """
+    from .models.ptv3 import PTv3
+
+    ch = list(channels)
+    dec = ch[:len(ch) - 1]
+    return PTv3(in_channels, num_classes, enc_depths=depths, enc_channels=ch, enc_heads=[c // head_channels for c in ch],
+                dec_depths=dec_depths, dec_channels=dec, dec_heads=[c // head_channels for c in dec], **options)
