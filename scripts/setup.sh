@@ -18,4 +18,8 @@ python -m pip install -q "torch==2.13.0" ${TORCH_INDEX:+--index-url "$TORCH_INDE
   || { [ -n "$TORCH_INDEX" ] && echo "setup.sh: $TORCH_INDEX failed; trying pip's configured index" >&2 \
        && python -m pip install -q "torch==2.13.0"; }
 python -m pip install -q -e ".[test]"
+# Optional: spconv for pimm_fn.ops.sparse_conv and its test. Not every platform has a wheel;
+# without it that test is skipped with the reason, and everything else works.
+python -m pip install -q -e ".[spconv]" \
+  || echo "setup.sh: spconv could not be installed (optional; tests/test_spconv_op.py will be skipped)" >&2
 python -m pimm_fn.data.fetch all
