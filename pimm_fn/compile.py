@@ -19,28 +19,41 @@ from .boundary import (_CPU_GENERATOR, _DYNAMO_CONFIG, Step, _check_finite, _pre
                        seeded_rng)
 from . import torch_compat
 from .compile_modes import copy_tensors, mode_patches
+from .compile_regions import CompiledRegions
+from .graph_breaks import GraphBreak, StepExplanation, collect_breaks
 from .state import TrainState
 from .tree import tree_leaves
 
-__all__ = ["CompiledStep", "Step", "as_step", "compile_step", "explain_step", "seeded_rng"]
+__all__ = ["CompiledStep", "GraphBreak", "Step", "StepExplanation", "as_step", "compile_step", "explain_step",
+           "seeded_rng"]
 
 
 class CompiledStep:
-    """A :class:`Step` compiled with ``fullgraph=True``, counting its compilations.
+    """A :class:`Step` compiled whole (``fullgraph=True``) or in regions, counting its compilations.
 
-    compile_count: how many graphs were compiled (1 in steady state; each recompile +1).
+    compile_count: how many graphs were compiled (1 in steady state; each recompile +1;
+        a graph-tolerant step counts each piece).
     recompile_reasons: dynamo's guard failures that triggered each recompile.
     compile_seconds: wall time of the calls that compiled.
+    graph_breaks: the graph breaks a ``fullgraph=False`` step was compiled around (on its first call).
     """
 
     def __init__(self, step: Step, *, eager: bool = False, dynamic: Optional[bool] = None,
                  mode: Optional[str] = None, options: Optional[dict] = None,
-                 recompile_limit: Optional[int] = None, cache=None):
+                 recompile_limit: Optional[int] = None, cache=None, fullgraph: bool = True):
         from . import step_cache
 
         self.step = step
         self.eager = eager
+        self.fullgraph = fullgraph
+        if not fullgraph and not eager and cache not in (None, False):
+            raise ValueError(
+                "compile_step(fullgraph=False) cannot use the step cache: the cache saves one whole-step "
+                "graph, and a graph-tolerant step is compiled in regions around its breaks; drop cache= "
+                "or make the step compile fullgraph (see docs/migration.md, 'Bring your model')")
         self.cache_dir = None if eager else step_cache.resolve_dir(cache)
+        self.graph_breaks = 0
+        self._regions: Optional[CompiledRegions] = None
         self.cache_path: Optional[str] = None  # the artifact this step was loaded from or saved to
         self.loaded_from_cache = False
         self._precompiled = None  # the cached (loaded or just saved) step, until its guards reject an input
@@ -85,6 +98,14 @@ class CompiledStep:
             return compile_fx(gm, example_inputs, config_patches=patches or None)
 
         self._backend = backend
+        if not fullgraph:
+            # The step's Python runs as written; its model call and update are compiled
+            # (pimm_fn.compile_regions). Python between them may draw random numbers only
+            # sometimes, so every call is seeded.
+            self._regions = CompiledRegions(backend, dynamic, recompile_limit)
+            self._rng_used = True
+            self._core = step.core
+            return
 
         def on_guard_fail(failure):
             # Dynamo calls this before it re-traces: the one moment besides the first call
@@ -156,9 +177,13 @@ class CompiledStep:
             _validate_first_batch(batch, self.step.name, state)
             if self.step.check_batch is not None:
                 self.step.check_batch(state, batch)
+            if self._regions is not None:
+                return self._call_regions(state, batch)
             if self._dynamic is None and self.cache_dir is None and not self.eager:
                 self._points_marked = mark_point_batch_dynamic(batch)
             self._allow_autograd_tracing()
+        elif self._regions is not None:
+            return self._call_regions(state, batch)
         unseeded = self._rng_free and not torch.cuda.is_initialized()
         if unseeded:
             self._current = state
@@ -216,6 +241,31 @@ class CompiledStep:
         self._traced_once = True
         if self.compile_count != before:
             self.compile_seconds.append(time.perf_counter() - start)
+        if self.step.raise_on_nonfinite:
+            _check_finite(self.step, state, metrics)
+        return new_state, metrics
+
+    def _call_regions(self, state: TrainState, batch):
+        """A call of a ``fullgraph=False`` step: its Python eagerly, its regions compiled."""
+        first = not self._traced_once
+        if first and self._dynamic is None:
+            # Point counts symbolic from the first call, as guarded sizes: unbacked ones fail
+            # on the host reads of sizes this mode exists for.
+            mark_point_batch_dynamic(batch, unbacked=False)
+        before, breaks_before, start = self.compile_count, torch_compat.graph_break_count(), time.perf_counter()
+        with self._regions.activate():
+            new_state, metrics = _run_core(self._core, state, batch)
+        self._traced_once = True
+        if self.compile_count != before:
+            self.compile_seconds.append(time.perf_counter() - start)
+            breaks = torch_compat.graph_break_count() - breaks_before
+            if first:  # recompiles of a piece meet its breaks again: counted once
+                self.graph_breaks = breaks
+            if first and breaks:
+                warnings.warn(
+                    f"step {self.step.name!r} (fullgraph=False): its model was compiled around {breaks} graph "
+                    f"break(s) in {self.compile_count} graphs; explain_step(step, state, batch) lists them with "
+                    "file:line and a fix for each", RuntimeWarning, stacklevel=4)
         if self.step.raise_on_nonfinite:
             _check_finite(self.step, state, metrics)
         return new_state, metrics
@@ -370,11 +420,18 @@ def _marked_dynamic(batch) -> bool:
 
 def compile_step(step_fn, *, eager: bool = False, dynamic: Optional[bool] = None,
                  mode: Optional[str] = None, options: Optional[dict] = None,
-                 recompile_limit: Optional[int] = None, cache=None) -> CompiledStep:
-    """Compile a step with ``torch.compile(fullgraph=True)`` semantics.
+                 recompile_limit: Optional[int] = None, cache=None, fullgraph: bool = True) -> CompiledStep:
+    """Compile a step with ``torch.compile(fullgraph=True)`` semantics, or in regions.
 
     step_fn: a :class:`Step` or a plain core function over TrainState.
     eager: run uncompiled (for debugging) behind the same interface.
+    fullgraph: True (default): the whole step is one graph and any graph break is an
+        error naming the offending operation. False: for a model that cannot be one graph
+        (host reads, Python loops over clouds, external kernels): the step's Python runs
+        as written, the model is compiled with its breaks (the pieces and their backward
+        compiled) and the guarded update (clip, optimizer, loss scale) is one compiled
+        graph; a warning says how many breaks were compiled around. The state contract is
+        unchanged (pure, seeded every call). See docs/migration.md, "Bring your model".
     dynamic: torch.compile's ``dynamic``. The default (None): on a point batch (a dict
         with ``offset``) every tensor's leading dim (the point counts, a U-Net topology's
         per-level counts) is traced as an unknown size from the first call, so the step
@@ -392,26 +449,42 @@ def compile_step(step_fn, *, eager: bool = False, dynamic: Optional[bool] = None
         first call's compiled step is saved there and a later process with the same step,
         model, optimizer and input shapes loads it instead of tracing again (see
         :mod:`pimm_fn.step_cache`; ~1 s instead of ~3 s for a small step). Off by default.
-    Any graph break is an error (``fullgraph``), naming the offending operation.
     """
-    return CompiledStep(as_step(step_fn), eager=eager, dynamic=dynamic, mode=mode,
-                        options=options, recompile_limit=recompile_limit, cache=cache)
+    return CompiledStep(as_step(step_fn), eager=eager, dynamic=dynamic, mode=mode, options=options,
+                        recompile_limit=recompile_limit, cache=cache, fullgraph=fullgraph)
 
 
-def explain_step(step_fn, state: TrainState, batch):
-    """``torch._dynamo.explain`` over a step's pure core: graphs, graph breaks and reasons.
+def explain_step(step_fn, state: TrainState, batch) -> StepExplanation:
+    """Every graph break of a step's pure core, with ``file:line``, the reason and a fix.
 
-    Returns dynamo's ExplainOutput. A clean step has ``graph_break_count == 0`` and an
-    empty ``break_reasons`` (both matter: the count alone can read 0 while a reason is
-    listed). The state is not mutated and the caller's generator is left as it was.
+    Traces the core once with breaks allowed and the recompile limit lifted (a per-cloud
+    loop that would recompile cannot hide the breaks after it), with dynamo's own eager
+    backend (nothing is compiled by inductor). Returns a :class:`StepExplanation`:
+    ``graph_count``, ``graph_break_count``, ``breaks`` (:class:`GraphBreak`: location,
+    source line, reason, kind, hint, and whether dynamo skipped the whole frame), and
+    ``graphs``; ``print(explanation)`` gives the report. A clean step has 0 breaks and 1
+    graph. The state is not mutated and the caller's generator is left as it was.
     step_fn may be a core function, any :class:`Step` or a :class:`CompiledStep`; a step
     with a host ``prepare`` (GRPO's rollout) runs it exactly as a call would, and its core
     is explained (only the core is ever compiled). Explaining resets dynamo.
     """
     step, state, batch = _explain_target(step_fn, state, batch)
     inner = state.replace(rng=None, cursor=None)
-    with seeded_rng(_rank_seed(state.rng.step_seed())), torch._dynamo.config.patch(trace_autograd_ops=True):
-        return torch._dynamo.explain(step.core)(inner, batch)
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    limits = dict(recompile_limit=1_000_000, accumulated_recompile_limit=1_000_000)
+    try:
+        with seeded_rng(_rank_seed(state.rng.step_seed())), \
+                torch._dynamo.config.patch(trace_autograd_ops=True, **limits), collect_breaks() as breaks:
+            torch._dynamo.optimize(keep_graph, nopython=False)(step.core)(inner, batch)
+    finally:
+        torch._dynamo.reset()
+    return StepExplanation(graphs=graphs, breaks=breaks)
 
 
 def _explain_target(step_fn, state: TrainState, batch):

@@ -21,6 +21,7 @@ import optree
 import torch
 
 from ._devices import same_device
+from .torch_compat import uncompiled_module
 from .tree import NAMESPACE, tree_map
 
 
@@ -99,7 +100,8 @@ class TrainState:
     loss_scale: :class:`pimm_fn.amp.LossScaleState` or None when loss scaling is off.
     rng: :class:`RngKey`; cursor: :class:`Cursor`.
     model / tx: static; the module (a structure only, its own tensors are never read by
-        a step) and the :class:`pimm_fn.optim.GradientTransformation`.
+        a step; a ``torch.compile``'d module is kept compiled, its tensors named as the
+        plain module's) and the :class:`pimm_fn.optim.GradientTransformation`.
     extra: a dict of further tensor pytrees a step function keeps in the state (for
         example GRPO's frozen reference-policy params). Empty for supervised training.
     """
@@ -147,11 +149,14 @@ class TrainState:
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"TrainState.create needs an nn.Module, got {type(model).__name__}")
-        device = model_device(model) if device is None else torch.device(device)
-        params = {k: _copy_to(v, device) for k, v in model.named_parameters()}
+        # A torch.compile'd module: the state names its tensors as the plain module does
+        # (no "_orig_mod." prefix), so checkpoints load into the plain model.
+        plain = uncompiled_module(model)
+        device = model_device(plain) if device is None else torch.device(device)
+        params = {k: _copy_to(v, device) for k, v in plain.named_parameters()}
         if not params:
-            raise ValueError(f"{type(model).__name__} has no parameters to train")
-        buffers = {k: _copy_to(v, device) for k, v in model.named_buffers()}
+            raise ValueError(f"{type(plain).__name__} has no parameters to train")
+        buffers = {k: _copy_to(v, device) for k, v in plain.named_buffers()}
         opt_state = optimizer.init(params)
         if loss_scale is True:
             from .amp import init_loss_scale

@@ -59,13 +59,8 @@ def graph_breaks(step_fn, state, batch) -> tuple[int, list[str]]:
         out = explain_step(step_fn, state, batch)
     except Exception as e:  # noqa: BLE001 - reported in the result, not raised
         return 1, [f"explain failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
-    reasons = []
-    for r in out.break_reasons:
-        text = getattr(r, "reason", str(r))
-        frames = getattr(r, "user_stack", None) or []
-        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-        reasons.append(f"{text}{where}")
-    return int(out.graph_break_count), reasons
+    return int(out.graph_break_count), [f"{b.kind}: {b.reason.splitlines()[0]} at {b.location} ({b.code})"
+                                        for b in out.breaks]
 
 
 def _stats(times_ms: Sequence[float]) -> dict:

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import distributed as D
 from ..state import TrainState
+from ..torch_compat import uncompiled_module
 from ..tree import NAMESPACE
 
 __all__ = ["ShardingError", "mesh_for", "local_rows", "shard", "unshard", "is_sharded", "state_bytes",
@@ -65,7 +66,7 @@ def _to_dtensor(full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
 
 
 def _full_shapes(state: TrainState) -> dict:
-    return {k: tuple(p.shape) for k, p in state.model.named_parameters()}
+    return {k: tuple(p.shape) for k, p in uncompiled_module(state.model).named_parameters()}
 
 
 def _map_param_leaves(tree: Any, fn: Callable[[Optional[str], Any], Any]) -> Any:

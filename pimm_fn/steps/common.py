@@ -1,17 +1,18 @@
 """Pieces shared by step functions: the functional forward/backward and metric helpers."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.func import functional_call
 
+from .. import compile_regions, torch_compat
 from ..amp import LossScaleConfig, unscale_factor, update_loss_scale
 from ..hoist import hoist
-from ..optim.base import apply_updates
+from ..optim.base import frozen_names, update_and_apply
 from ..optim.transforms import clip_to_norm
-from ..tree import all_finite, global_norm, tree_map, tree_where
+from ..tree import all_finite, global_norm, tree_map, tree_scale, tree_where
 
 
 class MissingLossError(KeyError):
@@ -21,13 +22,29 @@ class MissingLossError(KeyError):
         return str(self.args[0])
 
 
+def module_call(model: torch.nn.Module, params: dict, buffers: dict, args: tuple, kwargs=None):
+    """``model(*args)`` through ``functional_call`` with the state's params and buffers.
+
+    The state names tensors as the plain module does; a ``torch.compile``'d module is called
+    with its wrapper's names. Inside a graph-tolerant compiled step
+    (``compile_step(fullgraph=False)``) the module is called compiled.
+    """
+    regions = compile_regions.active()
+    if regions is not None:
+        model = regions.module(model)
+    if torch_compat.is_compiled_module(model):
+        params = {"_orig_mod." + k: v for k, v in params.items()}
+        buffers = {"_orig_mod." + k: v for k, v in buffers.items()}
+    return functional_call(model, (params, buffers), args, kwargs)
+
+
 def call_model(model: torch.nn.Module, params: dict, buffers: dict, batch, autocast=None):
-    """``model(batch)`` through ``functional_call`` with the given params and buffers."""
+    """``model(batch)`` through :func:`module_call` with the given params and buffers."""
     ctx = autocast.context(next(iter(params.values())).device) if autocast is not None else None
     if ctx is None:
-        return functional_call(model, (params, buffers), (batch,))
+        return module_call(model, params, buffers, (batch,))
     with ctx:
-        return functional_call(model, (params, buffers), (batch,))
+        return module_call(model, params, buffers, (batch,))
 
 
 def require_loss(out, loss_key: str = "loss") -> torch.Tensor:
@@ -62,16 +79,19 @@ def check_labels(model, batch) -> None:
 
 
 def forward_backward(model, params: dict, buffers: dict, batch, *, scale: Optional[torch.Tensor] = None,
-                     autocast=None, loss_key: str = "loss"):
+                     autocast=None, loss_key: str = "loss", frozen: Collection[str] = ()):
     """Loss, output dict, gradients (of ``loss * scale``) and the updated buffers.
 
     Uses ``torch.autograd.grad`` over ``functional_call`` on detached leaves: unlike
     ``torch.func.grad`` it lets BatchNorm update its (cloned) running statistics under
     ``torch.compile(fullgraph=True)``. Neither ``params`` nor ``buffers`` is mutated.
+    frozen: param names to compute no gradient for (``requires_grad=False``; the
+    optimizer's :func:`pimm_fn.optim.frozen_names`); they are absent from the gradients.
     """
-    leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    leaves = {k: v.detach().requires_grad_(True) for k, v in params.items() if k not in frozen}
+    inputs = {k: leaves[k] if k in leaves else v.detach() for k, v in params.items()} if frozen else leaves
     new_buffers = {k: v.clone() for k, v in buffers.items()}
-    out = call_model(model, leaves, new_buffers, batch, autocast)
+    out = call_model(model, inputs, new_buffers, batch, autocast)
     if isinstance(out, dict) and loss_key not in out:
         check_labels(model, batch)  # name the missing label rather than the missing loss
     loss = require_loss(out, loss_key).float()
@@ -152,25 +172,39 @@ def guarded_update(tx, params: dict, opt_state, grads: dict, *, loss: Optional[t
 
     In order: unscale by the loss scale (``scaler``: the state's LossScaleState, or None),
     ``grad_transform`` (e.g. the data-parallel all-reduce), the finite check over the
-    gradients (and ``loss``), global-norm clipping to ``clip_grad``, the optimizer ``tx``;
+    gradients (and ``loss``), global-norm clipping to ``clip_grad``, the optimizer ``tx``
+    (:func:`pimm_fn.optim.update_and_apply`); gradients of params ``tx`` freezes
+    (:func:`pimm_fn.optim.freeze`) are dropped first, or may be absent;
     where the check failed the old params and optimizer state are kept and the scale backs
     off (``torch.amp.GradScaler``'s rule). Returns ``(params, opt_state, finite, grad_norm,
     new_scaler)``; ``finite`` is the 0-dim bool a step also gates its buffers with.
+    Inside ``compile_step(fullgraph=False)`` it runs as one compiled graph.
     """
+    regions = compile_regions.active()
+    if regions is not None:
+        return regions.update(_guarded_update)(
+            tx, params, opt_state, grads, loss=loss, scaler=scaler, scaler_config=scaler_config,
+            clip_grad=clip_grad, grad_transform=grad_transform)
+    return _guarded_update(tx, params, opt_state, grads, loss=loss, scaler=scaler, scaler_config=scaler_config,
+                           clip_grad=clip_grad, grad_transform=grad_transform)
+
+
+def _guarded_update(tx, params, opt_state, grads, *, loss, scaler, scaler_config, clip_grad, grad_transform):
+    frozen = frozen_names(tx, params)
+    if frozen:  # params the optimizer never changes: out of the norm, the finite check and clipping
+        grads = {k: g for k, g in grads.items() if k not in frozen}
     if scaler is not None:
-        inv = hoist(unscale_factor(scaler))
-        grads = tree_map(lambda g: g * inv, grads)
+        grads = tree_scale(grads, hoist(unscale_factor(scaler)))
     if grad_transform is not None:
         grads = grad_transform(grads)
-    finite = all_finite(grads)
+    grad_norm = global_norm(grads)
+    finite = all_finite(grads, norm=grad_norm)
     if loss is not None:
         finite = finite & torch.isfinite(loss)
     finite = hoist(finite)  # read by every leaf's select below
-    grad_norm = global_norm(grads)
     if clip_grad is not None:
         grads = clip_to_norm(grads, grad_norm, clip_grad)
-    updates, new_opt = tx.update(grads, opt_state, params)
-    new_params = apply_updates(params, updates)
+    new_params, new_opt = update_and_apply(tx, grads, opt_state, params)
     params = tree_where(finite, new_params, params)
     opt_state = tree_where(finite, new_opt, opt_state)
     new_scaler = update_loss_scale(scaler, finite, scaler_config) if scaler is not None else None
@@ -196,6 +230,6 @@ def eval_forward(state, batch):
     model.eval()
     try:
         with torch.no_grad():
-            return functional_call(model, (state.params, state.buffers), (batch,))
+            return module_call(model, state.params, state.buffers, (batch,))
     finally:
         model.train(was_training)
