@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
-from .base import GradientTransformation, Schedule
+from .base import GradientTransformation, Schedule, update_and_apply
 
 __all__ = ["GroupedState", "grouped", "assign_groups"]
 
@@ -149,6 +149,14 @@ def grouped(
         # Hand the updates back in the gradients' order.
         return {n: merged[n] for n in grads}, GroupedState(new_states)
 
+    def apply(grads, state, params):
+        parts = assign_groups(list(grads), keywords)
+        merged, new_states = {}, {}
+        for g, tx, sub_grads, sub_p in zip(names, transforms, split(grads, parts), split(params, parts)):
+            new_p, new_states[g] = update_and_apply(tx, sub_grads, state.groups[g], sub_p)
+            merged.update(new_p)
+        return {n: merged[n] for n in params}, GroupedState(new_states)
+
     def hyperparams(state):
         out = {}
         for g, tx in zip(names, transforms):
@@ -157,4 +165,5 @@ def grouped(
                     out[f"{k}/{g}"] = v
         return out
 
-    return GradientTransformation(init, update, hyperparams)
+    fused = any(tx.apply is not None for tx in transforms)
+    return GradientTransformation(init, update, hyperparams, apply if fused else None)

@@ -3,6 +3,16 @@
 Each transform reproduces the float math of torch's single-tensor (CPU default) kernels,
 with scalars (lr, bias corrections, step size) computed in float64 as torch computes
 them in Python floats, and rounded to the param dtype where torch's kernels round them.
+The element math runs as multi-tensor ("foreach") kernels over the leaves, one call per
+op for all params of a dtype (see :func:`_foreach_leaves`): the same per-tensor kernels,
+so the same numbers, without a Python-level op per leaf. Inputs are never written: an
+op makes new tensors or writes in place only into tensors this update has just made.
+
+Each transform's ``apply`` makes the new params directly (:func:`pimm_fn.optim.update_and_apply`,
+which the steps use): adam / adamw give torch's params bit for bit, ``p * (1 - lr * wd)``
+then ``addcdiv``. AdamW's ``update`` is the difference of those params and the old ones,
+which :func:`apply_updates` turns back into them exactly wherever the step is at most the
+param's own size (elsewhere to an ulp).
 
 ``lr`` may be a number or a schedule (0-dim int64 count -> 0-dim float tensor); so may
 sgd's ``momentum`` and adam's ``b1``, which torch's OneCycleLR cycles. Each transform
@@ -16,8 +26,9 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from .. import torch_compat as F
 from ..hoist import hoist
-from ..tree import global_norm, tree_leaves, tree_map
+from ..tree import global_norm, tree_flatten, tree_leaves, tree_map, tree_scale, tree_unflatten
 from .base import GradientTransformation, ScalarOrSchedule
 
 __all__ = [
@@ -104,25 +115,26 @@ def sgd(
     def update(grads, state, params):
         count = state.count
         lr_t = _value64(lr, count)
-        if weight_decay != 0.0:
-            grads = tree_map(lambda g, p: torch.add(g, p, alpha=weight_decay), grads, params)
-        buf = state.momentum
-        if use_momentum:
-            m = _per_dtype(_value64(momentum, count))
-            first = hoist(count == 0)
-
-            def new_buf(b, g):
-                blended = torch.add(b * m(b.dtype), g, alpha=1.0 - dampening)
-                return torch.where(first, g, blended)
-
-            buf = tree_map(new_buf, buf, grads)
-            if nesterov:
-                grads = tree_map(lambda g, b: g + b * m(b.dtype), grads, buf)
-            else:
-                grads = buf
+        m = _per_dtype(_value64(momentum, count)) if use_momentum else None
         neg_lr = _per_dtype(-lr_t)
-        updates = tree_map(lambda d: d * neg_lr(d.dtype), grads)
-        return updates, SgdState(count=count + 1, momentum=buf)
+        first = hoist(count == 0) if use_momentum and dampening != 0.0 else None
+
+        def kernel(g, p, b):
+            if weight_decay != 0.0:
+                g = F.foreach_add(g, p, alpha=weight_decay)
+            if use_momentum:
+                dtype = b[0].dtype
+                b = F.foreach_add_(F.foreach_mul(b, m(dtype)), g, alpha=1.0 - dampening)
+                if first is not None:
+                    # torch starts the buffer as the raw gradient (no dampening). Without
+                    # dampening, blending into init's zero buffer already gives exactly that.
+                    b = [torch.where(first, gi, bi) for gi, bi in zip(g, b)]
+                g = F.foreach_add_(F.foreach_mul(b, m(dtype)), g) if nesterov else b
+            return [F.foreach_mul(g, neg_lr(g[0].dtype)), b]
+
+        trees = (grads, params if weight_decay != 0.0 else None, state.momentum if use_momentum else None)
+        updates, buf = _foreach_leaves(kernel, trees, n_out=2, ref=2 if use_momentum else 0)
+        return updates, SgdState(count=count + 1, momentum=buf if use_momentum else None)
 
     def hyperparams(state):
         named = {"lr": lr}
@@ -149,6 +161,52 @@ def _per_dtype(x64: torch.Tensor):
     return at
 
 
+def _number(value: float, like: torch.Tensor):
+    """A constant operand for a foreach op over leaves like ``like``.
+
+    Eager on the CPU: a 0-dim tensor in the op's compute dtype (float64 for float64
+    leaves, else float32), the same number the op makes of a Python float, since the
+    CPU foreach ops turn a Python number into a tensor once per leaf. Otherwise the number.
+    """
+    if like.device.type == "cpu" and F.is_plain_eager_tensor(like):
+        dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+        return torch.full((), value, dtype=dtype)
+    return value
+
+
+def _foreach_leaves(kernel, trees: tuple, n_out: int, ref: int = 0) -> list:
+    """``kernel``'s element math over the leaves of ``trees``, as multi-tensor kernels.
+
+    trees: same-structure trees, paired as ``tree_map`` pairs them (a mismatch raises as
+        there); the first gives the results' structure; a None tree is passed as None.
+    kernel(*leaf_lists) -> ``n_out`` lists of new leaves (or None). It runs once per
+        group of leaves sharing the first tree's device and dtype and the ``ref`` tree's
+        dtype, the dtype its scalars are rounded to: one group unless dtypes are mixed.
+    Returns ``n_out`` trees (None where the kernel gave None; empty trees when there are
+    no leaves, the kernel not run).
+    """
+    first, treedef = tree_flatten(trees[0])
+    cols = [first] + [None if t is None else treedef.flatten_up_to(t) for t in trees[1:]]
+    n = len(first)
+    if n == 0:
+        return [tree_unflatten(treedef, []) for _ in range(n_out)]
+    groups: dict = {}
+    for i in range(n):
+        groups.setdefault((first[i].device, first[i].dtype, cols[ref][i].dtype), []).append(i)
+    if len(groups) == 1:
+        outs = kernel(*cols)
+    else:
+        outs = [None] * n_out
+        for idx in groups.values():
+            parts = kernel(*[None if c is None else [c[i] for i in idx] for c in cols])
+            for k, part in enumerate(parts):
+                if part is not None:
+                    outs[k] = outs[k] or [None] * n
+                    for i, leaf in zip(idx, part):
+                        outs[k][i] = leaf
+    return [None if out is None else tree_unflatten(treedef, out) for out in outs]
+
+
 def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransformation:
     _check_number("lr", lr)
     _check_number("b1", b1)
@@ -164,18 +222,14 @@ def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransfor
             count=_zero_count(params), mu=zeros(), nu=zeros(), nu_max=zeros() if amsgrad else None
         )
 
-    def update(grads, state, params):
+    decays = decoupled and weight_decay != 0.0  # AdamW's decay of the param itself
+
+    def step(grads, state, params, new_params: bool):
+        """(updates, or the new params if new_params; the new state)."""
         count = state.count
         lr_t = _value64(lr, count)
         b1_t = _value64(b1, count)
-        if weight_decay != 0.0 and not decoupled:
-            grads = tree_map(lambda g, p: torch.add(g, p, alpha=weight_decay), grads, params)
         weight = _per_dtype(1.0 - b1_t)
-        mu = tree_map(lambda m, g: torch.lerp(m, g, weight(m.dtype)), state.mu, grads)
-        nu = tree_map(lambda v, g: torch.addcmul(v * b2, g, g, value=1.0 - b2), state.nu, grads)
-        nu_max = state.nu_max
-        if amsgrad:
-            nu_max = tree_map(torch.maximum, nu_max, nu)
         # torch's non-capturable path: bias corrections and step size as Python floats
         # (float64) from the incremented step, with the CURRENT beta1 raised to it.
         t = (count + 1).to(torch.float64)
@@ -185,20 +239,49 @@ def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransfor
         bias_c2_sqrt = torch.pow(bias_c2, 0.5)
         keep = 1.0 - lr_t * weight_decay
         bias_c2_sqrt, neg_step_size, keep = map(_per_dtype, (bias_c2_sqrt, neg_step_size, keep))
+        # Eager on the CPU the step size is read as a number for addcdiv (its scalar must
+        # be one), which in float32/64 rounds each op as the separate ops do.
+        host_step = F.is_plain_eager_tensor(lr_t) and lr_t.device.type == "cpu"
 
-        def delta(m, v, p):
-            dtype = m.dtype
-            denom = v.sqrt() / bias_c2_sqrt(dtype) + eps
-            # addcdiv's order: (value * exp_avg) / denom.
-            d = (neg_step_size(dtype) * m) / denom
-            if decoupled and weight_decay != 0.0:
-                # AdamW scales the param by (1 - lr * wd) before the Adam step; p * keep
-                # rounds as torch's mul_ does, and subtracting p from it is exact.
-                d = (p * keep(dtype) - p) + d
-            return d
+        def kernel(g, p, m, v, v_max):
+            dtype = m[0].dtype
+            if weight_decay != 0.0 and not decoupled:
+                g = F.foreach_add(g, p, alpha=weight_decay)
+            mu = F.foreach_lerp(m, g, weight(dtype))
+            nu = F.foreach_addcmul_(F.foreach_mul(v, _number(b2, m[0])), g, g, value=1.0 - b2)
+            if amsgrad:
+                v_max = F.foreach_maximum(v_max, nu)
+            denom = F.foreach_div_(F.foreach_sqrt(v_max if amsgrad else nu), bias_c2_sqrt(dtype))
+            F.foreach_add_(denom, _number(eps, m[0]))
+            if not (decays or new_params):
+                # The update is the Adam step; addcdiv's order: (value * exp_avg) / denom.
+                return [F.foreach_div_(F.foreach_mul(mu, neg_step_size(dtype)), denom), mu, nu, v_max]
+            # torch's new param: p (AdamW: p * (1 - lr * wd), the decay first) + the step.
+            if host_step and dtype in (torch.float32, torch.float64):
+                value = float(neg_step_size(dtype))
+                if decays:
+                    new_p = F.foreach_addcdiv_(F.foreach_mul(p, keep(dtype)), mu, denom, value=value)
+                else:
+                    new_p = F.foreach_addcdiv(p, mu, denom, value=value)
+            else:
+                new_p = F.foreach_div_(F.foreach_mul(mu, neg_step_size(dtype)), denom)
+                new_p = F.foreach_add_(new_p, F.foreach_mul(p, keep(dtype)) if decays else p)
+            if new_params:
+                return [[n if n.dtype == q.dtype else n.to(q.dtype) for n, q in zip(new_p, p)], mu, nu, v_max]
+            # The update that apply_updates turns back into new_p: exactly wherever the
+            # step is at most the param's own size (then new_p - p is exact).
+            return [F.foreach_sub_(new_p, p), mu, nu, v_max]
 
-        updates = tree_map(delta, mu, nu_max if amsgrad else nu, params)
-        return updates, AdamState(count=count + 1, mu=mu, nu=nu, nu_max=nu_max)
+        uses_params = weight_decay != 0.0 or new_params
+        trees = (grads, params if uses_params else None, state.mu, state.nu, state.nu_max if amsgrad else None)
+        out, mu, nu, nu_max = _foreach_leaves(kernel, trees, n_out=4, ref=2)
+        return out, AdamState(count=count + 1, mu=mu, nu=nu, nu_max=nu_max if amsgrad else None)
+
+    def update(grads, state, params):
+        return step(grads, state, params, new_params=False)
+
+    def apply(grads, state, params):
+        return step(grads, state, params, new_params=True)
 
     def hyperparams(state):
         named = {"lr": lr}
@@ -206,7 +289,7 @@ def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransfor
             named["b1"] = b1
         return _hyper(named, state.count)
 
-    return GradientTransformation(init, update, hyperparams)
+    return GradientTransformation(init, update, hyperparams, apply)
 
 
 def adam(
@@ -248,7 +331,9 @@ def clip_to_norm(grads, norm: torch.Tensor, max_norm: float):
     shared update (:func:`pimm_fn.steps.common.guarded_update`) both call it.
     """
     coef = hoist(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return tree_map(lambda g: g * coef.to(g.device), grads)
+    if coef.device.type == "cpu" and F.is_plain_eager_tensor(coef) and bool(coef == 1.0):
+        return grads  # g * 1 is g, bit for bit: eager code on the CPU skips the pass
+    return tree_scale(grads, coef)
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:

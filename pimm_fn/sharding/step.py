@@ -9,7 +9,7 @@ from .. import distributed as D
 from ..amp import LossScaleConfig, as_autocast, renamed_loss_scale, unscale_factor, update_loss_scale
 from ..compile import Step
 from ..hoist import hoist
-from ..optim.base import apply_updates
+from ..optim.base import frozen_names, update_and_apply
 from ..optim.transforms import clip_to_norm
 from ..steps.common import (
     applied_buffers, check_clip_grad, check_labels, forward_backward, point_batch_stats, update_metrics,
@@ -57,8 +57,9 @@ def sharded(ctx: Optional[D.DistContext] = None, *, clip_grad: Optional[float] =
         # DTensor in, DTensor out; in between the step works on this rank's local rows
         params, opt_state = to_local_tree(state.params), to_local_tree(state.opt_state)
         full = gather_rows(params, specs, ctx)
-        loss, out, grads, buffers = forward_backward(
-            state.model, full, state.buffers, batch, scale=scale, autocast=policy, loss_key=loss_key)
+        loss, out, grads, buffers = forward_backward(  # no gradient for params the optimizer never changes
+            state.model, full, state.buffers, batch, scale=scale, autocast=policy, loss_key=loss_key,
+            frozen=frozen_names(state.tx, full))
         if scaler is not None:
             inv = hoist(unscale_factor(scaler))
             grads = tree_map(lambda g: g * inv, grads)
@@ -72,8 +73,8 @@ def sharded(ctx: Optional[D.DistContext] = None, *, clip_grad: Optional[float] =
         finite = hoist(finite)  # read by every leaf's select below
         if clip_grad is not None:
             local = clip_to_norm(local, grad_norm, clip_grad)
-        updates, new_opt = state.tx.update(local, opt_state, params)
-        new_params = tree_where(finite, apply_updates(params, updates), params)
+        new_params, new_opt = update_and_apply(state.tx, local, opt_state, params)
+        new_params = tree_where(finite, new_params, params)
         new_opt = tree_where(finite, new_opt, opt_state)
         metrics = update_metrics(out, loss, state.tx, opt_state, grad_norm, finite, scaler, loss_key)
         metrics.update(point_batch_stats(batch))

@@ -11,6 +11,7 @@ import torch
 
 from ..amp import LossScaleConfig, as_autocast, renamed_loss_scale
 from ..compile import Step
+from ..optim.base import frozen_names
 from .common import (
     applied_buffers, check_clip_grad, check_labels, forward_backward, guarded_update, point_batch_stats, update_metrics, weighted_sum,
 )
@@ -63,9 +64,11 @@ def supervised(
         scale = scaler.scale if scaler is not None else None
         micro = _as_microbatches(batch, accumulate)
         losses, outs, grad_list, buffers = [], [], [], state.buffers
+        frozen = frozen_names(state.tx, state.params)  # no gradient for params the optimizer never changes
         for mb in micro:
             loss, out, grads, buffers = forward_backward(
-                state.model, state.params, buffers, mb, scale=scale, autocast=policy, loss_key=loss_key
+                state.model, state.params, buffers, mb, scale=scale, autocast=policy, loss_key=loss_key,
+                frozen=frozen,
             )
             losses.append(loss), outs.append(out), grad_list.append(grads)
         weights = _weights(micro, microbatch_weight)
