@@ -12,9 +12,12 @@ of ``compile_step(steps.supervised(clip_grad=1.0))`` (import time is reported ap
 mlp: the MLP 64-256-10 step of benchmarks/overhead.py (batch 256). pointseg: PointSegNet on
 variable-size point batches (pimm_fn/bench/workloads.py); its figure is the first two calls
 (the second compiles the dynamic point count; a loaded static step falls back to dynamo there).
+ptv3: the PTv3-class backbone of the ptv3 workload on two real LiDAR batches (their
+topology from the collate); its figure is the first two calls.
 
-    python benchmarks/compile_time.py                 # both models -> results/compile_time.{json,txt}
+    python benchmarks/compile_time.py                 # mlp, pointseg -> results/compile_time.{json,txt}
     python benchmarks/compile_time.py --models mlp
+    python benchmarks/compile_time.py --models ptv3 --runs cold,warm --json benchmarks/results/compile_time_ptv3.json
 
 Read the load average printed with the table: compile times on a busy machine are noise.
 """
@@ -49,9 +52,9 @@ def _child(model: str, cache: str | None) -> dict:
         batches = loader[:1]
     else:
         sys.path.insert(0, ROOT)
-        from pimm_fn.bench.workloads import pointseg
+        from pimm_fn.bench import workloads
 
-        w = pointseg(n_batches=2)
+        w = getattr(workloads, model)(n_batches=2)
         state, batches = w.state, w.batches[:2]
     step = compile_step(steps.supervised(clip_grad=1.0), cache=cache)
     t = time.perf_counter()
@@ -72,7 +75,7 @@ def _spawn(model: str, env: dict, cache: str | None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure(model: str) -> dict:
+def measure(model: str, runs=RUNS) -> dict:
     with tempfile.TemporaryDirectory(prefix="pimm_fn_compile_time_") as tmp:
         d = lambda name: os.path.join(tmp, name)  # noqa: E731
         base = {k: v for k, v in os.environ.items() if k not in ("PIMM_FN_ISA_MEMO",)}
@@ -85,7 +88,7 @@ def measure(model: str) -> dict:
             "warm+load": (dict(XDG_CACHE_HOME=d("home"), TORCHINDUCTOR_CACHE_DIR=d("ind3")), d("steps")),
         }
         out = {}
-        for run in RUNS:
+        for run in runs:
             env, cache = plan[run]
             load = [round(x, 2) for x in os.getloadavg()]
             out[run] = {**_spawn(model, {**base, **env}, cache), "load_before": load}
@@ -94,19 +97,23 @@ def measure(model: str) -> dict:
 
 
 def table(res: dict) -> str:
+    done = [r for r in RUNS if any(r in runs for runs in res["models"].values())]
     lines = [f"load average before {res['load_before']} after {res['load_after']}", "",
-             "| model | " + " | ".join(RUNS) + " | import |", "|---|" + "---|" * (len(RUNS) + 1)]
+             "| model | " + " | ".join(done) + " | import |", "|---|" + "---|" * (len(done) + 1)]
     for model, runs in res["models"].items():
-        cells = [f"{runs[r]['first_calls_s']:.2f} s" + (" (loaded)" if runs[r]["loaded_from_cache"] else "")
-                 for r in RUNS]
-        lines.append(f"| {model} ({runs['cold']['calls']} call{'s' if runs['cold']['calls'] > 1 else ''}) | "
-                     + " | ".join(cells) + f" | {runs['cold']['import_s']:.2f} s |")
+        cells = [(f"{runs[r]['first_calls_s']:.2f} s" + (" (loaded)" if runs[r]["loaded_from_cache"] else ""))
+                 if r in runs else "-" for r in done]
+        any_run = next(runs[r] for r in done if r in runs)
+        lines.append(f"| {model} ({any_run['calls']} call{'s' if any_run['calls'] > 1 else ''}) | "
+                     + " | ".join(cells) + f" | {any_run['import_s']:.2f} s |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="mlp,pointseg")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"which of {','.join(RUNS)} (in that order: "
+                   "warm needs cold, warm+load needs cold+save)")
     p.add_argument("--json", default=os.path.join(RESULTS, "compile_time.json"))
     args = p.parse_args(argv)
     sys.path.insert(0, HERE)
@@ -114,7 +121,7 @@ def main(argv=None) -> int:
 
     res = {"load_before": load(), "models": {}}
     for model in args.models.split(","):
-        res["models"][model] = measure(model)
+        res["models"][model] = measure(model, tuple(r for r in RUNS if r in args.runs.split(",")))
     res["load_after"] = load()
     write_results(res, table(res), args.json)
     return 0
