@@ -26,15 +26,44 @@ def tree_leaves(tree: Any) -> list:
     return optree.tree_leaves(tree, namespace=NAMESPACE)
 
 
+class _FlatDictDef:
+    """The structure of a flat ``name -> tensor`` dict (params, grads, moments).
+
+    Dynamo cannot trace optree's flatten of a dict built inside the traced code (a grouped
+    optimizer's per-group split), so the common flat case is handled in plain Python.
+    """
+
+    __slots__ = ("keys",)
+
+    def __init__(self, keys: tuple):
+        self.keys = keys
+
+    def __eq__(self, other):
+        return isinstance(other, _FlatDictDef) and self.keys == other.keys
+
+    def __hash__(self):
+        return hash(self.keys)
+
+    def flatten_up_to(self, other) -> list:
+        if type(other) is not dict or len(other) != len(self.keys) or any(k not in other for k in self.keys):
+            raise ValueError(f"expected a dict with keys {list(self.keys)[:5]}..., got "
+                             f"{type(other).__name__} {list(other)[:5] if isinstance(other, dict) else ''}")
+        return [other[k] for k in self.keys]
+
+
 def tree_flatten(tree: Any):
     """(leaves, treedef) in the pimm_fn namespace; ``treedef.flatten_up_to(other)`` gives the
     leaves of a tree of the same structure in the same order (tree_map's pairing and check),
     ``tree_unflatten(treedef, leaves)`` rebuilds."""
+    if type(tree) is dict and all(isinstance(v, torch.Tensor) for v in tree.values()):
+        return list(tree.values()), _FlatDictDef(tuple(tree))
     return optree.tree_flatten(tree, namespace=NAMESPACE)
 
 
 def tree_unflatten(treedef, leaves) -> Any:
     """The tree of ``treedef`` (from :func:`tree_flatten`) holding ``leaves``."""
+    if isinstance(treedef, _FlatDictDef):
+        return dict(zip(treedef.keys, leaves))
     return optree.tree_unflatten(treedef, leaves)
 
 
