@@ -45,33 +45,22 @@ from pimm_fn.steps.supervised import supervised  # noqa: E402
 
 
 class PTv3CloudContext(PTv3):
-    """PTv3 with a per-cloud context added to the bottleneck, by a loop over ``offset.tolist()``."""
+    """PTv3 with a per-cloud context added to the bottleneck by a Python loop over counts read with ``.tolist()``."""
 
     def forward(self, batch: dict) -> dict:
         levels = batch["topology"]["levels"]
-        emb = self.embedding
-        x = torch.nn.functional.gelu(emb["norm"](emb["conv"](batch["feat"], levels[0]["neighbours"])))
-        skips = []
-        for i, stage in enumerate(self.enc):
-            if i:
-                x = stage.resample(x, levels[i - 1]["pool"], levels[i]["neighbours"].shape[0])
-            x = stage.run_blocks(x, levels[i])
-            skips.append(x)
+        skips = self.encode(batch, levels)
         # The host read: the bottleneck's per-cloud point counts, as users loop over clouds.
         counts = levels[-1]["cloud_counts"].tolist()
         parts, start = [], 0
         for n in counts:
-            part = x[start:start + n]
+            part = skips[-1][start:start + n]
             parts.append(part + part.amax(0, keepdim=True))
             start += n
-        x = torch.cat(parts)
-        skips[-1] = x
-        for i in reversed(range(len(self.dec))):
-            stage = self.dec[i]
-            x = stage.run_blocks(stage.resample(x, skips[i], levels[i]["pool"]), levels[i])
+        skips[-1] = torch.cat(parts)
         from pimm_fn.models._common import classification_outputs
 
-        return classification_outputs(self.head(x), batch, self.label_key, "seg_logits")
+        return classification_outputs(self.head(self.decode(skips, levels)), batch, self.label_key, "seg_logits")
 
 
 def with_cloud_counts(batch: dict) -> dict:

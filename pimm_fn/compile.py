@@ -98,6 +98,11 @@ class CompiledStep:
             return compile_fx(gm, example_inputs, config_patches=patches or None)
 
         self._backend = backend
+        if not fullgraph and self._cudagraphs:
+            raise ValueError(
+                f"compile_step(fullgraph=False, mode={mode!r}): CUDA graphs replay one whole-step graph and "
+                "copy its outputs out of their pool; a step compiled in regions has no such graph. Use mode=None "
+                "(or 'max-autotune-no-cudagraphs') with fullgraph=False")
         if not fullgraph:
             # The step's Python runs as written; its model call and update are compiled
             # (pimm_fn.compile_regions). Python between them may draw random numbers only
@@ -142,6 +147,8 @@ class CompiledStep:
         return _with_host(new_state, state.rng.next(), state.cursor), metrics
 
     def _call_core(self, state: TrainState, batch):
+        if self._regions is not None:
+            return self._call_regions(state, batch)
         if self._cudagraphs:
             return self._cudagraph_call(state, batch)
         return self._call_core_plain(state, batch)
@@ -174,16 +181,10 @@ class CompiledStep:
         before = self.compile_count
         start = time.perf_counter()
         if not self._traced_once:
-            _validate_first_batch(batch, self.step.name, state)
-            if self.step.check_batch is not None:
-                self.step.check_batch(state, batch)
-            if self._regions is not None:
-                return self._call_regions(state, batch)
+            self._check_first_call(state, batch)
             if self._dynamic is None and self.cache_dir is None and not self.eager:
                 self._points_marked = mark_point_batch_dynamic(batch)
             self._allow_autograd_tracing()
-        elif self._regions is not None:
-            return self._call_regions(state, batch)
         unseeded = self._rng_free and not torch.cuda.is_initialized()
         if unseeded:
             self._current = state
@@ -245,9 +246,16 @@ class CompiledStep:
             _check_finite(self.step, state, metrics)
         return new_state, metrics
 
+    def _check_first_call(self, state: TrainState, batch):
+        _validate_first_batch(batch, self.step.name, state)
+        if self.step.check_batch is not None:
+            self.step.check_batch(state, batch)
+
     def _call_regions(self, state: TrainState, batch):
         """A call of a ``fullgraph=False`` step: its Python eagerly, its regions compiled."""
         first = not self._traced_once
+        if first:
+            self._check_first_call(state, batch)
         if first and self._dynamic is None:
             # Point counts symbolic from the first call, as guarded sizes: unbacked ones fail
             # on the host reads of sizes this mode exists for.

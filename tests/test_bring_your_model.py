@@ -112,9 +112,11 @@ def test_fullgraph_false_is_pure_seeded_and_resumes_bitwise(regions, tmp_path):
         assert torch.equal(resumed.params[k], straight.params[k]), k
 
 
-def test_fullgraph_false_refuses_the_step_cache():
+def test_fullgraph_false_refuses_the_step_cache_and_cuda_graphs():
     with pytest.raises(ValueError, match=r"fullgraph=False\) cannot use the step cache"):
         compile_step(supervised(), fullgraph=False, cache=True)
+    with pytest.raises(ValueError, match="CUDA graphs replay one whole-step graph"):
+        compile_step(supervised(), fullgraph=False, mode="reduce-overhead")
 
 
 # --------------------------------------------------------------------------------------

@@ -255,8 +255,8 @@ class PTv3(nn.Module):
         spec = TopologySpec(self.spec.patch_sizes, self.spec.orders, False, self.spec.stride)
         return build_topology(batch["grid_coord"], batch["offset"], spec)
 
-    def forward(self, batch: dict) -> dict:
-        levels = self.topology(batch)["levels"]
+    def encode(self, batch: dict, levels: list) -> list:
+        """The encoder: each level's point features, finest first (the last is the bottleneck)."""
         emb = self.embedding
         x = F.gelu(emb["norm"](emb["conv"](batch["feat"], levels[0]["neighbours"])))
         skips = []
@@ -265,10 +265,19 @@ class PTv3(nn.Module):
                 x = stage.resample(x, levels[i - 1]["pool"], levels[i]["neighbours"].shape[0])
             x = stage.run_blocks(x, levels[i])
             skips.append(x)
+        return skips
+
+    def decode(self, skips: list, levels: list) -> torch.Tensor:
+        """The decoder from the encoder's features back to the finest level's points."""
+        x = skips[-1]
         for i in reversed(range(len(self.dec))):
             stage = self.dec[i]
             x = stage.run_blocks(stage.resample(x, skips[i], levels[i]["pool"]), levels[i])
-        logits = self.head(x)
+        return x
+
+    def forward(self, batch: dict) -> dict:
+        levels = self.topology(batch)["levels"]
+        logits = self.head(self.decode(self.encode(batch, levels), levels))
         out = classification_outputs(logits, batch, self.label_key, "seg_logits", weight=self.class_weight)
         if self.loss == "ce+lovasz" and "loss" in out:
             from .losses import lovasz_softmax
