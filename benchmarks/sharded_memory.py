@@ -6,8 +6,9 @@ torchrun (gloo, CPU).
 
 Each world size is one torchrun launch; every rank builds an MLP (AdamW), shards the state,
 runs 2 sharded steps (so the numbers are of a state that trained) and reports the sum of its
-DTensors' local tensors' nbytes (``to_local()``: the rows this rank holds). The full params gathered for the forward and the gradients are
-transient (freed after the step) and not counted: this is the resident training state.
+DTensors' local tensors' nbytes (``to_local()``: the rows this rank holds). The full params
+gathered for the forward and the gradients are transient (freed after the step) and not
+counted: this is the resident training state.
 The peak RSS column (whole process: torch itself, the full model object, the transient
 full params and gradients of a step) shows what sharding does not shrink.
 """
@@ -48,10 +49,7 @@ def worker(out_path, sizes=SIZES):
     full = TrainState.create(MLP(), adamw(1e-3, weight_decay=0.01), seed=0)
     replicated = S.state_bytes(full)
     sh = S.shard(full)
-    del full
-    # the module is structure only (functional_call gets the state's tensors): its own full
-    # copy of the weights would otherwise stay resident on every rank
-    sh.model.to("meta")
+    del full  # the state's module is structure only: no full copy of the weights stays resident
     step = S.sharded(clip_grad=1.0)
     g = torch.Generator().manual_seed(ctx.rank)
     for _ in range(2):
@@ -60,7 +58,8 @@ def worker(out_path, sizes=SIZES):
     mine = S.state_bytes(sh)
     from torch.distributed.tensor import DTensor
 
-    leaves = list(sh.params.values()) + [sh.opt_state.mu[k] for k in sh.params] + [sh.opt_state.nu[k] for k in sh.params]
+    leaves = (list(sh.params.values()) + [sh.opt_state.mu[k] for k in sh.params]
+              + [sh.opt_state.nu[k] for k in sh.params])
     mine["all_dtensor"] = all(isinstance(t, DTensor) for t in leaves)
     mine["local_rows"] = {k: v.to_local().shape[0] for k, v in sh.params.items() if v.dim()}
     import resource

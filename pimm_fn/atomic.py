@@ -11,10 +11,11 @@ import io
 import os
 import re
 import secrets
+import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
-__all__ = ["atomic_replace", "atomic_write", "fsync_dir", "tmp_name", "TMP_RE"]
+__all__ = ["atomic_replace", "atomic_write", "fsync_dir", "fsync_file", "replace_dir", "tmp_name", "TMP_RE"]
 
 TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp$")
 
@@ -35,6 +36,15 @@ def fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     except OSError:
         pass
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: os.PathLike) -> None:
+    """Flush a closed file's bytes to disk (one another library wrote by path)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -78,3 +88,25 @@ def atomic_write(final: os.PathLike, write: Callable[[io.BufferedWriter], None],
                 os.fsync(f.fileno())
 
     return atomic_replace(final, fill, durable=durable, sync_dir=sync_dir)
+
+
+def replace_dir(staged: os.PathLike, final: os.PathLike, *, durable: bool = True) -> Path:
+    """Put the complete folder ``staged`` in place as ``final``; returns ``final``.
+
+    A folder cannot be renamed over a non-empty one, so an existing ``final`` is first
+    renamed to ``final.old`` and deleted only once the new one is in place: a crash in
+    between leaves the old folder whole under that name. durable: fsync the parent folder
+    after the renames (the files inside ``staged`` must be fsynced by their writer).
+    """
+    staged, final = Path(staged), Path(final)
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(staged, final)
+    if durable:
+        fsync_dir(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+    return final

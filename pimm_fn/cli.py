@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
-
 
 from .experiment import ExperimentError, Run, RunContext, available_experiments, experiment_settings, load_experiment
 from .settings import SettingsError
@@ -224,7 +224,8 @@ def train(args) -> int:
             raise _checkpoint_error(err, path, args.experiment, settings, save,
                                     "train afresh into a new --save-path") from err
     if state is run.state and run.epochs < 1:  # (MINIMUM usually catches it first, naming the setting)
-        raise CliError(f"experiment {args.experiment!r} built a run of {run.epochs} epochs", "pass --set epochs=N with N >= 1")
+        raise CliError(f"experiment {args.experiment!r} built a run of {run.epochs} epochs",
+                       "pass --set epochs=N with N >= 1")
     if state.cursor.epoch >= run.epochs:
         more = "raise --set epochs=N to train on, or " if "epochs" in settings else ""
         raise CliError(f"training in {save} is already complete (epoch {state.cursor.epoch} >= epochs {run.epochs}); "
@@ -266,7 +267,8 @@ def evaluate(args) -> int:
     run = module.build(settings, RunContext(save_path=path.parent, quick=args.quick))
     if run.evaluate is None:
         raise CliError(f"experiment {args.experiment!r} defines no evaluation",
-                       "give its build() an evaluation: Run(evaluate=recipes.segmentation_eval(...)), an Evaluate, or a function state -> dict")
+                       "give its build() an evaluation: Run(evaluate=recipes.segmentation_eval(...)), an Evaluate, "
+                       "or a function state -> dict")
     try:
         state, _ = ckpt.restore(path, like=run.state)
     except ckpt.CheckpointError as err:
@@ -295,6 +297,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command; an error prints ``pimm-fn: <cause>; <fix>`` on stderr and returns 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    # The CLI opts in to the memo of inductor's CPU probes (seconds off every compile;
+    # pimm_fn.compile.isa_memo); PIMM_FN_ISA_MEMO=0 opts out.
+    os.environ.setdefault("PIMM_FN_ISA_MEMO", "1")
     try:
         return _command(args)
     except Exception as err:  # KeyboardInterrupt / SystemExit pass through

@@ -4,16 +4,24 @@ The state is an immutable attrs class registered as an optree pytree (namespace
 ``pimm_fn``). Tensor leaves: ``step``, ``params``, ``buffers``, ``opt_state`` and the
 loss-scale state, all on one device (``state.device``; see ``TrainState.create(device=)``).
 Host leaves (plain ints, never passed into a compiled graph, on no device): the RNG key
-and the data cursor. Static fields, kept out of the leaves: the model (used only
-through ``torch.func.functional_call``) and the optimizer transform.
+and the data cursor. Static fields, kept out of the leaves: the model, a structure-only
+copy of the user's module (:func:`structure_only`: its weights on ``meta``, so the state
+holds one copy of them, its leaves), called only through ``torch.func.functional_call``;
+and the optimizer transform.
 
 ``replace`` builds the new object with ``object.__new__`` + ``__dict__.update`` because
 attrs' frozen ``__init__`` / ``evolve`` go through ``object.__setattr__``, which dynamo
 cannot trace on torch 2.13 (see DESIGN.md); this way ``replace`` works inside
 ``torch.compile(fullgraph=True)``.
+
+Subclasses are supported: ``@attrs.frozen(slots=False) class MyState(TrainState)`` may add
+fields; they are leaves like ``extra`` (saved by checkpoints, passed to compiled steps),
+and ``replace`` / tree_map / checkpoint restore keep the subclass.
 """
 from __future__ import annotations
 
+import copy
+import weakref
 from typing import Any, Optional
 
 import attrs
@@ -26,6 +34,8 @@ from .tree import NAMESPACE, tree_map
 
 
 def _replace(obj, changes: dict):
+    """A copy of the frozen attrs instance ``obj`` (same class) with ``changes``: the one
+    replace of :class:`TrainState`, :class:`Cursor` and :class:`RngKey`, traceable by dynamo."""
     fields = obj.__dict__
     for name in changes:
         if name not in fields:
@@ -99,9 +109,12 @@ class TrainState:
     opt_state: the optimizer transform's state (a pytree of tensors).
     loss_scale: :class:`pimm_fn.amp.LossScaleState` or None when loss scaling is off.
     rng: :class:`RngKey`; cursor: :class:`Cursor`.
-    model / tx: static; the module (a structure only, its own tensors are never read by
-        a step; a ``torch.compile``'d module is kept compiled, its tensors named as the
-        plain module's) and the :class:`pimm_fn.optim.GradientTransformation`.
+    model / tx: static; a structure-only copy of the module (:func:`structure_only`:
+        parameters and buffers on ``meta``, train/eval flags as the module had them; a
+        ``torch.compile``'d module stays compiled, its tensors named as the plain
+        module's) and the :class:`pimm_fn.optim.GradientTransformation`. Call the model
+        with ``functional_call(state.model, (state.params, state.buffers), args)``, or
+        ``state.eval_model`` for eval mode.
     extra: a dict of further tensor pytrees a step function keeps in the state (for
         example GRPO's frozen reference-policy params). Empty for supervised training.
     """
@@ -121,6 +134,19 @@ class TrainState:
         """A new state with ``changes``; traceable inside ``torch.compile(fullgraph=True)``."""
         return _replace(self, changes)
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("__slots__"):
+            raise TypeError(
+                f"{cls.__name__}: a TrainState subclass keeps its fields in __dict__ (replace() copies "
+                "it, traceably); declare it with @attrs.frozen(slots=False)")
+        _register(cls)
+
+    @property
+    def eval_model(self) -> torch.nn.Module:
+        """``model`` in eval mode: a second structure-only copy (see :func:`eval_module`)."""
+        return eval_module(self.model)
+
     @classmethod
     def create(
         cls,
@@ -135,8 +161,9 @@ class TrainState:
     ) -> "TrainState":
         """Build the initial state from a module and a transform.
 
-        The params and buffers are detached copies: later changes to ``model`` do not
-        touch the state and the state never writes into ``model``.
+        The params and buffers are detached copies and ``state.model`` is a structure-only
+        copy of ``model``: later changes to ``model`` do not touch the state, the state
+        never writes into ``model``, and ``model`` may be deleted to free its weights.
         loss_scale: None (off), True (the default dynamic scale: init 2**16, growth 2
             every 2000 finite steps, backoff 0.5) or a ready ``LossScaleState``.
         seed: the RNG key's seed; data_seed: the cursor's seed (defaults to ``seed``).
@@ -175,7 +202,7 @@ class TrainState:
             loss_scale=loss_scale,
             rng=RngKey(seed=int(seed), counter=0),
             cursor=Cursor(seed=int(seed if data_seed is None else data_seed)),
-            model=model,
+            model=structure_only(model),
             tx=optimizer,
             extra=extra,
         )
@@ -216,7 +243,7 @@ def check_one_device(state: "TrainState", device: torch.device) -> None:
     """Raise ValueError naming the state's tensors that are not on ``device``."""
     want = torch.device(device)
     off = []
-    fields = {f: getattr(state, f) for f in ("step", "params", "buffers", "opt_state", "loss_scale", "extra")}
+    fields = {f: getattr(state, f) for f in _leaf_fields(type(state)) if f not in ("rng", "cursor")}
     accessors, leaves, _ = optree.tree_flatten_with_accessor(fields, none_is_leaf=False, namespace=NAMESPACE)
     for accessor, leaf in zip(accessors, leaves):
         if isinstance(leaf, torch.Tensor) and not same_device(leaf.device, want):
@@ -231,40 +258,76 @@ def check_one_device(state: "TrainState", device: torch.device) -> None:
         )
 
 
-_LEAF_FIELDS = ("step", "params", "buffers", "opt_state", "loss_scale", "rng", "cursor", "extra")
+def structure_only(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with its parameters and buffers on ``meta``: the structure,
+    hyperparameters and train/eval flags, none of the weights (which the state holds once,
+    as its leaves). ``model`` itself is not touched.
+
+    The copy is ``copy.deepcopy`` with every parameter and buffer mapped to an empty
+    ``meta`` tensor of its shape, dtype and ``requires_grad``, so tied weights stay tied. A
+    tensor the module keeps outside its parameters and buffers (a constant its forward
+    reads) is copied as it is: ``functional_call`` supplies only parameters and buffers.
+    A ``torch.compile``'d module comes back compiled (same settings), around the copy.
+    """
+    plain = uncompiled_module(model)
+    memo: dict = {}
+    for t in (*plain.parameters(), *plain.buffers()):
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as err:
+        raise TypeError(
+            f"TrainState keeps a structure-only copy of the model (copy.deepcopy with the weights on "
+            f"meta), and {type(plain).__name__} could not be copied: {type(err).__name__}: {err}. Keep "
+            "objects that cannot be deep-copied (open files, locks, loaders) out of the module"
+        ) from err
 
 
-def advance_cursor(state: TrainState, cursor: Cursor, position: int, samples_seen: int) -> TrainState:
-    """``state`` with ``cursor`` moved to ``position`` / ``samples_seen``: what fit does after
-    every step, as ``state.replace(cursor=cursor.replace(...))`` without the field checks
-    (0.6 instead of 1.1 us; at 0.5 ms a step, fit's own path is counted in microseconds)."""
-    if type(cursor) is not Cursor or not isinstance(state, TrainState):  # another state class: its own replace
-        return state.replace(cursor=cursor.replace(position=position, samples_seen=samples_seen))
-    new_cursor = object.__new__(Cursor)
-    c = new_cursor.__dict__
-    c.update(cursor.__dict__)
-    c["position"] = position
-    c["samples_seen"] = samples_seen
-    new = object.__new__(type(state))
-    f = new.__dict__
-    f.update(state.__dict__)
-    f["cursor"] = new_cursor
-    return new
+# model -> its eval-mode structure copy; weak keys: the entry goes with the last state.
+_EVAL_COPIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _flatten_state(s: TrainState):
-    children = tuple(getattr(s, f) for f in _LEAF_FIELDS)
-    return children, (s.model, s.tx), _LEAF_FIELDS
+def eval_module(model: torch.nn.Module) -> torch.nn.Module:
+    """A structure-only copy of ``model`` with every submodule in eval mode, made once per model.
+
+    Eval mode is a second handle rather than ``model.eval()`` / ``model.train()`` around
+    the call: the state's module is shared by every state derived from it and by compiled
+    steps that guard on its flags, so flipping them would be a mutation another thread or
+    a compiled step could observe. The copy holds no weights, so it costs no memory.
+    """
+    copied = _EVAL_COPIES.get(model)
+    if copied is None:
+        copied = _EVAL_COPIES[model] = structure_only(model).eval()
+    return copied
 
 
-def _unflatten_state(meta, children):
-    new = object.__new__(TrainState)
-    new.__dict__.update(dict(zip(_LEAF_FIELDS, children)))
-    new.__dict__["model"], new.__dict__["tx"] = meta
-    return new
+_STATIC_FIELDS = ("model", "tx")
+_LEAF_FIELDS: dict = {}  # TrainState class -> its leaf field names, in declaration order
 
 
-optree.register_pytree_node(TrainState, _flatten_state, _unflatten_state, namespace=NAMESPACE)
+def _leaf_fields(cls) -> tuple:
+    names = _LEAF_FIELDS.get(cls)
+    if names is None:  # read on first use: attrs declares a subclass's fields after __init_subclass__
+        names = _LEAF_FIELDS[cls] = tuple(f.name for f in attrs.fields(cls) if f.name not in _STATIC_FIELDS)
+    return names
+
+
+def _register(cls) -> None:
+    def flatten(s):
+        names = _leaf_fields(type(s))
+        return tuple(getattr(s, f) for f in names), (s.model, s.tx), names
+
+    def unflatten(static, children):
+        new = object.__new__(cls)
+        new.__dict__.update(zip(_leaf_fields(cls), children))
+        new.__dict__["model"], new.__dict__["tx"] = static
+        return new
+
+    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
+
+
+_register(TrainState)
 optree.register_pytree_node(
     Cursor,
     lambda c: ((c.epoch, c.position, c.seed, c.samples_seen), None, ("epoch", "position", "seed", "samples_seen")),

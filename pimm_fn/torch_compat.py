@@ -1,24 +1,37 @@
-"""The torch internals pimm_fn's compile path relies on, in one place (written for torch 2.13).
+"""Every torch internal pimm_fn relies on, in one place (written for torch 2.13).
 
-Everything here reaches below torch's documented surface (dynamo's dim markings and
-shape-environment settings); when torch moves them, this module is the one to change.
+Everything here reaches below torch's documented surface: dynamo's dim markings, its
+compile callbacks, counters and logs, inductor's mode table and CPU probes, shape-
+environment settings, the foreach kernels. When torch moves them, this module is the one
+to change; pyproject pins ``torch==2.13.*`` until a test lane runs another version.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 
 import torch
 import torch.fx.experimental._config as _shape_config
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, guard_or_true
 
-__all__ = ["clear_unbacked", "graph_break_count", "guard_or_true", "is_compiled_module", "is_data_dependent_error",
-           "graph_break_records", "mark_backed", "mark_unbacked", "recompile_limit", "set_duck_shaping",
+__all__ = ["clear_unbacked", "compilation_reasons", "compiled_graph_count", "cpu_vec_isa_class",
+           "dynamo_compile_hooks", "dynamo_config", "dynamo_counters", "graph_break_count", "graph_break_records",
+           "guard_or_true", "inductor_config", "inductor_mode_options", "is_compiled_module",
+           "is_data_dependent_error", "is_dynamo_unsupported", "is_marked_dynamic", "mark_backed", "mark_dynamic",
+           "mark_unbacked", "profiler_enabled", "reset_dynamo", "step_tracing_config", "tensorify_restart_error",
            "uncompiled_module"]
 
 TORCH_VERSION_WRITTEN_FOR = "2.13"
 
 # Dynamo is imported where it is used: pimm_fn's core modules import this one, and
 # `import pimm_fn` must not load the compiler (~1 s).
+
+
+def _dynamo():
+    import torch._dynamo
+
+    return torch._dynamo
 
 
 def mark_unbacked(t: torch.Tensor, dim: int, min: int = 2) -> None:
@@ -28,9 +41,7 @@ def mark_unbacked(t: torch.Tensor, dim: int, min: int = 2) -> None:
     inductor's ``size <= 4096`` choice of reduction, which recompile when a later batch
     crosses them); code that branches on the size fails to trace instead.
     """
-    import torch._dynamo
-
-    torch._dynamo.decorators.mark_unbacked(t, dim, min=min)
+    _dynamo().decorators.mark_unbacked(t, dim, min=min)
 
 
 def clear_unbacked(t: torch.Tensor) -> None:
@@ -42,9 +53,18 @@ def clear_unbacked(t: torch.Tensor) -> None:
 
 def mark_backed(t: torch.Tensor, dim: int) -> None:
     """Trace ``t.shape[dim]`` as a symbolic size with guards (dynamo may still specialise it)."""
-    import torch._dynamo
+    _dynamo().maybe_mark_dynamic(t, dim)
 
-    torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def mark_dynamic(t: torch.Tensor, dim: int, **bounds) -> None:
+    """``torch._dynamo.mark_dynamic``: the dim is symbolic, and specialising it is an error."""
+    _dynamo().mark_dynamic(t, dim, **bounds)
+
+
+def is_marked_dynamic(t: torch.Tensor) -> bool:
+    """Whether ``t`` carries dims marked by :func:`mark_dynamic`."""
+    return bool(getattr(t, "_dynamo_dynamic_indices", None))
 
 
 def is_data_dependent_error(err: BaseException) -> bool:
@@ -56,16 +76,111 @@ def is_data_dependent_error(err: BaseException) -> bool:
     return False
 
 
-def set_duck_shaping(enabled: bool) -> None:
-    """Duck shaping gives equal input sizes one symbol (and a guard that they stay equal)."""
-    _shape_config.use_duck_shape = enabled
+def is_dynamo_unsupported(err: BaseException) -> bool:
+    """Whether ``err`` is dynamo refusing to trace something (a graph break under fullgraph)."""
+    return "torch._dynamo" in sys.modules and isinstance(err, torch._dynamo.exc.Unsupported)
+
+
+def tensorify_restart_error() -> type:
+    """The exception dynamo raises to restart a trace after specialising a float input."""
+    return _dynamo().exc.TensorifyScalarRestartAnalysis
+
+
+def step_tracing_config():
+    """The settings a step's trace needs, as one context of ``config.patch`` es.
+
+    ``trace_autograd_ops`` lets dynamo trace ``torch.autograd.grad`` (which, unlike the
+    torch.func transforms, handles BatchNorm's in-place buffer updates). Duck shaping is off:
+    two point counts of a batch that happen to be equal (a level's points and another's
+    patches) would otherwise share one symbol and a guard that they stay equal, and the next
+    batch would recompile.
+    """
+    stack = contextlib.ExitStack()
+    stack.enter_context(_dynamo().config.patch(trace_autograd_ops=True))
+    stack.enter_context(_shape_config.patch(use_duck_shape=False))
+    return stack
+
+
+def dynamo_config():
+    """dynamo's config module (``.patch(...)``, ``save_config_portable()``)."""
+    return _dynamo().config
+
+
+def inductor_config():
+    """inductor's config module (``.patch(...)``, ``save_config_portable()``)."""
+    import torch._inductor.config
+
+    return torch._inductor.config
+
+
+def inductor_mode_options(mode: str, dynamic) -> dict:
+    """The inductor config a ``torch.compile(mode=...)`` stands for."""
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode, dynamic))
+
+
+def cpu_vec_isa_class():
+    """inductor's ``cpu_vec_isa`` module (its ISA probes are ``VecISA.check_build``)."""
+    from torch._inductor import cpu_vec_isa
+
+    return cpu_vec_isa
+
+
+def dynamo_compile_hooks(start, end):
+    """A function that makes dynamo call ``start()`` before it traces a frame and ``end()``
+    once that compile is over (the outermost compile only). Call it before each use:
+    ``torch.compiler.reset()`` drops dynamo's callbacks, and it registers them again."""
+    import torch._dynamo.callback
+
+    handler = torch._dynamo.callback_handler
+    trigger = torch._dynamo.callback.CallbackTrigger.DYNAMO
+
+    def on_start(args):
+        if args.callback_trigger is trigger:
+            start()
+
+    def on_end(args):
+        if args.callback_trigger is trigger:
+            end()
+
+    def ensure():
+        if on_start not in handler.start_callbacks:
+            handler.register_start_callback(on_start)
+            handler.register_end_callback(on_end)
+
+    return ensure
+
+
+def dynamo_counters():
+    """dynamo's process-wide counters (``counters[group][name]``)."""
+    return _dynamo().utils.counters
+
+
+def compiled_graph_count() -> int:
+    """Graphs dynamo has compiled in this process so far (its own counter)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def compilation_reasons(count: int) -> list:
+    """Dynamo's recorded reasons for its last ``count`` compiles (None for a first compile)."""
+    records = list(_dynamo().utils.get_compilation_metrics())[-count:] if count > 0 else []
+    return [getattr(m, "recompile_reason", None) for m in records]
+
+
+def reset_dynamo() -> None:
+    """Forget every compiled graph and dynamo's caches (``torch.compiler.reset``)."""
+    torch.compiler.reset()
 
 
 def is_compiled_module(module) -> bool:
     """Whether ``module`` is the wrapper ``torch.compile(module)`` returns."""
-    if "torch._dynamo" not in sys.modules:  # no wrapper can exist before dynamo is loaded
-        return False
-    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+    # By the class's name, not by importing dynamo or reading sys.modules: this runs inside
+    # traced steps, where sys.modules may change under dynamo (another thread importing).
+    cls = type(module)
+    return cls.__name__ == "OptimizedModule" and cls.__module__ == "torch._dynamo.eval_frame"
 
 
 def uncompiled_module(module):
@@ -77,20 +192,45 @@ def uncompiled_module(module):
 
 def graph_break_count() -> int:
     """Graph breaks dynamo has met in this process so far (its own counter)."""
-    from torch._dynamo.utils import counters
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
 
-    return sum(counters["graph_break"].values())
+
+def profiler_enabled() -> bool:
+    """Whether the autograd profiler (``torch.profiler``) is recording."""
+    return torch._C._autograd._profiler_enabled()
 
 
-def recompile_limit(limit):
-    """A context with dynamo's per-frame recompile limit set to ``limit`` (None: unchanged)."""
-    import contextlib
+def graph_break_records(handler: logging.Handler):
+    """A context sending dynamo's graph-break records (one per break, with the user stack)
+    to ``handler`` instead of stderr; breaks already reported in this process are reported again."""
+    from torch._dynamo import symbolic_convert, utils
 
-    if limit is None:
-        return contextlib.nullcontext()
-    import torch._dynamo
+    log = symbolic_convert.graph_break_log
 
-    return torch._dynamo.config.patch(recompile_limit=int(limit))
+    @contextlib.contextmanager
+    def records():
+        level, propagate = log.level, log.propagate
+        utils.reset_graph_break_dup_checker()
+        log.setLevel(logging.DEBUG)
+        log.propagate = False
+        log.addHandler(handler)
+        try:
+            yield
+        finally:
+            log.removeHandler(handler)
+            log.setLevel(level)
+            log.propagate = propagate
+            utils.reset_graph_break_dup_checker()
+
+    return records()
+
+
+def check_same_size(a, b, what: str = "sizes") -> None:
+    """Assert that two sizes are equal (``torch._check``): eager a plain check; traced, a
+    runtime assert that also lets the compiler treat two unbacked sizes as one symbol."""
+    torch._check(a == b, lambda: f"{what} differ")  # (a traced message may close over constants only)
 
 
 # ---------------------------------------------------------------------------------------
@@ -270,31 +410,3 @@ def is_plain_eager_tensor(t) -> bool:
     and outside functorch transforms (vmap, grad), whose wrapped tensors hold no one value."""
     return (type(t) is torch.Tensor and not torch.compiler.is_compiling()
             and not torch._C._are_functorch_transforms_active())
-
-
-def graph_break_records(handler):
-    """A context sending dynamo's graph-break records (one per break, with the user stack)
-    to ``handler`` instead of stderr; breaks already reported in this process are reported again."""
-    import contextlib
-    import logging
-
-    from torch._dynamo import symbolic_convert, utils
-
-    log = symbolic_convert.graph_break_log
-
-    @contextlib.contextmanager
-    def records():
-        level, propagate = log.level, log.propagate
-        utils.reset_graph_break_dup_checker()
-        log.setLevel(logging.DEBUG)
-        log.propagate = False
-        log.addHandler(handler)
-        try:
-            yield
-        finally:
-            log.removeHandler(handler)
-            log.setLevel(level)
-            log.propagate = propagate
-            utils.reset_graph_break_dup_checker()
-
-    return records()

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from pimm_fn.atomic import TMP_RE, atomic_write, tmp_name
+from pimm_fn.atomic import TMP_RE, atomic_write, replace_dir, tmp_name
 
 
 def test_replaces_whole_and_leaves_no_temp(tmp_path):
@@ -34,3 +34,13 @@ def test_temp_names_are_per_process_and_call(tmp_path):
     assert a != b and a.parent == tmp_path
     m = TMP_RE.match(a.name)
     assert m and m["name"] == "x.npz" and int(m["pid"]) == os.getpid()
+
+
+def test_replace_dir_swaps_a_whole_folder(tmp_path):
+    final, staged = tmp_path / "ckpt", tmp_path / "ckpt.partial"
+    for folder, text in ((final, "old"), (staged, "new")):
+        folder.mkdir()
+        (folder / "f").write_text(text)
+    assert replace_dir(staged, final) == final
+    assert (final / "f").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the staged and the old folder are gone

@@ -8,7 +8,7 @@ import torch
 
 from pimm_fn import optim
 from pimm_fn.compile import compile_step
-from pimm_fn.compile_modes import copy_tensors, mode_patches
+from pimm_fn.compile.modes import copy_tensors, mode_patches
 from pimm_fn.state import TrainState
 from pimm_fn.steps import supervised
 

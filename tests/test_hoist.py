@@ -6,7 +6,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from pimm_fn import TrainState, compile_step, optim, steps
-from pimm_fn.hoist import hoist
+from pimm_fn.compile.hoist import hoist
 from pimm_fn.schedules import one_cycle
 
 

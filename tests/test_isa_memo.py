@@ -1,10 +1,9 @@
-"""The memo of inductor's CPU ISA probes (pimm_fn.isa_memo): keyed by machine, answered from disk."""
+"""The memo of inductor's CPU ISA probes (pimm_fn.compile.isa_memo): keyed by machine, answered from disk."""
 import json
 import os
 import subprocess
 import sys
 import textwrap
-
 
 
 def _python(code: str, cache_home, **env) -> str:
@@ -16,7 +15,7 @@ def _python(code: str, cache_home, **env) -> str:
 
 
 PROBE = """
-    from pimm_fn import isa_memo
+    from pimm_fn.compile import isa_memo
     from torch._inductor import cpu_vec_isa
     {before}
     on = isa_memo.install()
@@ -44,7 +43,7 @@ def test_a_probe_answer_is_kept_and_answers_the_next_process(tmp_path):
 def test_the_key_names_the_cpu_and_a_bad_file_is_ignored(tmp_path):
     from torch._inductor import cpu_vec_isa
 
-    from pimm_fn import isa_memo
+    from pimm_fn.compile import isa_memo
 
     isa = cpu_vec_isa.VecAVX2()
     code = cpu_vec_isa.VecISA._avx_code
@@ -59,10 +58,29 @@ def test_the_key_names_the_cpu_and_a_bad_file_is_ignored(tmp_path):
 
 def test_turned_off_by_the_environment(tmp_path):
     code = """
-    from pimm_fn import isa_memo
+    from pimm_fn.compile import isa_memo
     from torch._inductor import cpu_vec_isa
     before = cpu_vec_isa.VecISA.check_build
     print(isa_memo.install(), cpu_vec_isa.VecISA.check_build is before)
     """
     assert _python(code, tmp_path, PIMM_FN_ISA_MEMO="0") == "False True"
     assert not (tmp_path / "pimm_fn").exists()
+
+
+def test_compile_step_leaves_torch_alone_unless_opted_in(tmp_path):
+    code = """
+    import os
+    from torch._inductor import cpu_vec_isa
+    from pimm_fn import compile_step, steps
+    before = cpu_vec_isa.VecISA.check_build
+    compile_step(steps.supervised())
+    untouched = cpu_vec_isa.VecISA.check_build is before
+    os.environ["PIMM_FN_ISA_MEMO"] = "1"
+    compile_step(steps.supervised())
+    print(untouched, cpu_vec_isa.VecISA.check_build is before)
+    """
+    env = {k: v for k, v in os.environ.items() if k != "PIMM_FN_ISA_MEMO"}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**env, "XDG_CACHE_HOME": str(tmp_path)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "True False"

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from pimm_fn import TrainState, compile_step, optim, schedules, steps
-from pimm_fn import step_cache
+from pimm_fn.compile import cache as step_cache
 from pimm_fn.models import MLPClassifier
 
 THRESHOLD = 1e-3  # a module-level constant the user core below reads
@@ -86,7 +86,8 @@ def test_anything_baked_into_the_step_changes_the_key():
     assert step_cache.leaves_key(inner, _batch(16)) != step_cache.leaves_key(inner, _batch(8))
     assert step_cache.leaves_key(inner, _batch(16)) == step_cache.leaves_key(inner, _batch(16, seed=5))
     # a dynamic=True step's artifact serves any size its guards accept: sizes are not in the key
-    assert step_cache.leaves_key(inner, _batch(16), shapes=False) == step_cache.leaves_key(inner, _batch(8), shapes=False)
+    unshaped = step_cache.leaves_key(inner, _batch(16), shapes=False)
+    assert unshaped == step_cache.leaves_key(inner, _batch(8), shapes=False)
 
 
 def test_a_damaged_file_is_compiled_again_and_replaced(saved, tmp_path):
@@ -112,7 +113,7 @@ def test_the_key_is_the_same_in_every_process():
 
     code = (
         "import torch\n"
-        "from pimm_fn import TrainState, optim, schedules, steps, step_cache\n"
+        "from pimm_fn import TrainState, optim, schedules, steps\nfrom pimm_fn.compile import cache as step_cache\n"
         "from pimm_fn.models import PointSegNet\n"
         "torch.manual_seed(0)\n"
         "m = PointSegNet(in_channels=4, num_classes=3)\n"
@@ -193,3 +194,27 @@ def test_a_step_loads_under_the_inductor_options_it_was_compiled_with(tmp_path):
     second = run()
     assert second == ["True", "0", first[2]]
     assert kernels() == built
+
+
+def test_the_folder_is_bounded_least_recently_used_first(tmp_path, monkeypatch):
+    import os
+
+    paths = []
+    for i in range(4):
+        p = tmp_path / f"step-{i}.pt2step"
+        p.write_bytes(b"x" * 1000)
+        os.utime(p, (1000 + i, 1000 + i))
+        paths.append(p)
+    os.utime(paths[0], (2000, 2000))  # loaded lately: the most recently used
+    dead = tmp_path / ".step-9.pt2step.999999999.0123abcd.tmp"  # a writer that is gone
+    dead.write_bytes(b"partial")
+    mine = tmp_path / f".step-8.pt2step.{os.getpid()}.0123abcd.tmp"  # a writer still running
+    mine.write_bytes(b"partial")
+    removed = step_cache.prune(tmp_path, limit=2500, keep=paths[3])
+    assert sorted(p.name for p in removed) == sorted([dead.name, "step-1.pt2step", "step-2.pt2step"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, "step-0.pt2step", "step-3.pt2step"])
+    monkeypatch.setenv("PIMM_FN_STEP_CACHE_MAX_MB", "lots")
+    with pytest.raises(ValueError, match="PIMM_FN_STEP_CACHE_MAX_MB"):
+        step_cache.max_bytes()
+    monkeypatch.setenv("PIMM_FN_STEP_CACHE_MAX_MB", "0.5")
+    assert step_cache.max_bytes() == 1 << 19

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import torch_compat
 from ..compile import compile_step
 
 
@@ -38,8 +39,7 @@ def load_factory(spec: str) -> Callable:
 
 
 def _cache_counters() -> dict:
-    from torch._dynamo.utils import counters
-
+    counters = torch_compat.dynamo_counters()
     keys = {"inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
             "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")}
     return {k: int(counters[group][k]) for group, ks in keys.items() for k in ks}
@@ -86,7 +86,8 @@ def measure_compile_cache(factory: str, factory_kwargs: Optional[dict] = None, *
             proc = subprocess.run([sys.executable, "-m", "pimm_fn.bench", "--compile-probe", payload],
                                   env=env, capture_output=True, text=True, timeout=timeout)
             if proc.returncode != 0:
-                raise RuntimeError(f"compile probe for {factory} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+                raise RuntimeError(
+                    f"compile probe for {factory} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
             runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     finally:
         if tmp is not None:

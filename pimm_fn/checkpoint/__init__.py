@@ -20,8 +20,13 @@ own folder, fsynced, renamed over the final name, the folder fsynced), so a read
 either the old complete file or the new complete one.
 """
 from .directory import CheckpointDir
-from .errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
-                     UnsafeCheckpointError)
+from .errors import (
+                     CheckpointCorruptError,
+                     CheckpointError,
+                     CheckpointMismatchError,
+                     CheckpointNotFoundError,
+                     UnsafeCheckpointError,
+)
 from .format import SCHEMA_VERSION
 from .locate import SUFFIX
 from .seed_import import import_seed_checkpoint
@@ -39,4 +44,5 @@ __all__ = [
     "verify",
     "CheckpointDir",
     "import_seed_checkpoint",
+    "SUFFIX",
 ]

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..atomic import TMP_RE, atomic_replace, atomic_write, fsync_dir
+from ..atomic import TMP_RE, atomic_replace, atomic_write, fsync_dir, fsync_file
 from ..state import TrainState
 from .errors import CheckpointError
 from .format import _parse
@@ -104,8 +104,7 @@ class CheckpointDir:
                 os.link(target, tmp)  # same inode: no extra disk, survives pruning of target
             except OSError:
                 shutil.copyfile(target, tmp)
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
+                fsync_file(tmp)
 
         atomic_replace(self.root / self.BEST, link_or_copy, sync_dir=False)  # save() fsyncs the folder
 

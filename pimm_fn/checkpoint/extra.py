@@ -31,7 +31,8 @@ def _encode_extra(obj, tensors: list, where: str = "extra"):
         return {"__tuple__": items} if isinstance(obj, tuple) else items
     if isinstance(obj, Mapping):
         # Non-string keys (torchdata uses int worker ids) survive as [key, value] pairs.
-        if all(isinstance(k, str) for k in obj) and "__tensor__" not in obj and "__tuple__" not in obj and "__items__" not in obj:
+        if (all(isinstance(k, str) for k in obj)
+                and "__tensor__" not in obj and "__tuple__" not in obj and "__items__" not in obj):
             return {k: _encode_extra(v, tensors, f"{where}[{k!r}]") for k, v in obj.items()}
         for k in obj:
             if not (k is None or _host_kind(k) is not None):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 from pathlib import Path
 from typing import Optional
@@ -30,7 +29,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..atomic import atomic_replace
+from ..atomic import atomic_replace, fsync_file
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, UnsafeCheckpointError, _listing
 from .locate import _existing_checkpoints, _not_found
 
@@ -104,11 +103,7 @@ def _write_file(path: Path, tensors: list, payload: bytes, *, sync_dir: bool = T
 
     def fill(tmp: Path) -> None:
         save_file(data, tmp, metadata=metadata)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(tmp)
 
     atomic_replace(path, fill, sync_dir=sync_dir)
 

@@ -25,7 +25,9 @@ def _existing_checkpoints(folder: Path, exclude: Optional[Path] = None) -> list[
     for p in folder.iterdir():
         if p.name.endswith(".tmp") or p.name.startswith(".") or not p.is_file():
             continue
-        if p.suffix in (SUFFIX, ".pth", ".pt", ".safetensors") and (exclude is None or p.resolve() != exclude.resolve()):
+        if p.suffix in (SUFFIX, ".pth", ".pt", ".safetensors") and (
+            exclude is None or p.resolve() != exclude.resolve()
+        ):
             found.append(p)
     return sorted(found, key=lambda p: (p.stat().st_mtime_ns, _step_of(p) or -1), reverse=True)
 
@@ -37,7 +39,8 @@ def _not_found(path: Path) -> CheckpointNotFoundError:
     found = _existing_checkpoints(folder)
     if found:
         return CheckpointNotFoundError(
-            f"checkpoint {path} does not exist; checkpoints in {folder} (newest first):" + _listing(p.name for p in found)
+            f"checkpoint {path} does not exist; checkpoints in {folder} (newest first):"
+            + _listing(p.name for p in found)
         )
     return CheckpointNotFoundError(f"checkpoint {path} does not exist, and {folder} holds no checkpoints")
 

@@ -31,7 +31,9 @@ def _load_pickle(path: Path, trust_pickle: bool):
         except CheckpointError:
             pass
         else:
-            raise CheckpointError(f"{path} is a pimm_fn checkpoint; load it with restore(), not import_seed_checkpoint()")
+            raise CheckpointError(
+                f"{path} is a pimm_fn checkpoint; load it with restore(), not import_seed_checkpoint()"
+            )
     if trust_pickle:
         warnings.warn(f"unpickling {path} with trust_pickle=True: code in the file runs", stacklevel=3)
         return torch.load(path, map_location="cpu", weights_only=False)
@@ -177,7 +179,9 @@ def import_seed_checkpoint(
                 continue
             value = incoming[name]
             if not isinstance(value, torch.Tensor):
-                shape_skipped.append(f"{name}: checkpoint has a {type(value).__name__}, model a tensor {tuple(old.shape)}")
+                shape_skipped.append(
+                    f"{name}: checkpoint has a {type(value).__name__}, model a tensor {tuple(old.shape)}"
+                )
                 continue
             if value.shape != old.shape:
                 shape_skipped.append(f"{name}: checkpoint {tuple(value.shape)} vs model {tuple(old.shape)}")
@@ -196,7 +200,10 @@ def import_seed_checkpoint(
         )
     problems = []
     if shape_skipped:
-        problems.append(f"skipped {len(shape_skipped)} key(s) with another shape, name: checkpoint vs model:" + _listing(shape_skipped))
+        problems.append(
+            f"skipped {len(shape_skipped)} key(s) with another shape, name: checkpoint vs model:"
+            + _listing(shape_skipped)
+        )
     if missing:
         problems.append(f"{len(missing)} model key(s) not in the checkpoint (kept as initialised):" + _listing(missing))
     if unexpected:
@@ -228,7 +235,9 @@ def import_seed_checkpoint(
                 loss_scale=ls._replace(
                     scale=torch.tensor(float(scaler_sd["scale"]), dtype=ls.scale.dtype, device=ls.scale.device),
                     growth_tracker=torch.tensor(
-                        int(scaler_sd["_growth_tracker"]), dtype=ls.growth_tracker.dtype, device=ls.growth_tracker.device
+                        int(scaler_sd["_growth_tracker"]),
+                        dtype=ls.growth_tracker.dtype,
+                        device=ls.growth_tracker.device,
                     ),
                 )
             )
@@ -240,5 +249,7 @@ def import_seed_checkpoint(
     if cursor_changes:
         state = state.replace(cursor=state.cursor.replace(**cursor_changes))
     if ckpt.get("global_step") is not None:
-        state = state.replace(step=torch.tensor(int(ckpt["global_step"]), dtype=like.step.dtype, device=like.step.device))
+        state = state.replace(
+            step=torch.tensor(int(ckpt["global_step"]), dtype=like.step.dtype, device=like.step.device)
+        )
     return state

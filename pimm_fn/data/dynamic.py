@@ -26,6 +26,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .. import torch_compat
+
 
 def _point_count(batch: Mapping) -> int:
     if "coord" in batch:
@@ -49,7 +51,7 @@ def mark_point_dims_dynamic(batch: Mapping, min_points: Optional[int] = None,
     n = _point_count(batch)
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n and key != "offset":
-            torch._dynamo.mark_dynamic(value, 0, **bounds)
+            torch_compat.mark_dynamic(value, 0, **bounds)
         elif isinstance(value, Mapping):
             mark_point_dims_dynamic(value, min_points, max_points)
     return batch

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from .. import torch_compat as F
-from ..hoist import hoist
+from ..compile.hoist import hoist
 from ..tree import global_norm, tree_flatten, tree_leaves, tree_map, tree_scale, tree_unflatten
 from .base import GradientTransformation, ScalarOrSchedule
 

@@ -24,7 +24,7 @@ state per rank fall as 1/world. Checkpoints (:mod:`.dcp`) go through
 world size (or into a plain unsharded state) reshards. See docs/distributed.md.
 """
 from .dcp import restore, save
-from .layout import (ShardingError, is_sharded, local_rows, mesh_for, shard, state_bytes, unshard)
+from .layout import ShardingError, is_sharded, local_rows, mesh_for, shard, state_bytes, unshard
 from .step import sharded
 
 __all__ = ["ShardingError", "shard", "unshard", "is_sharded", "sharded", "save", "restore", "local_rows",

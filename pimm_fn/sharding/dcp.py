@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from .. import distributed as D
+from ..atomic import atomic_write, replace_dir
 from ..state import TrainState
 from ..tree import NAMESPACE
 from .layout import ShardingError, is_sharded, shard
@@ -70,16 +71,9 @@ def save(path, state: TrainState, extra: Any = None, ctx: Optional[D.DistContext
         dcp.save(tensors, checkpoint_id=tmp, no_dist=not _live(ctx))
 
     def publish():
-        torch.save({"format": _FORMAT, "host": host, "world_size": ctx.world_size, "extra": extra},
-                   os.path.join(tmp, HOST_FILE))
-        old = path + ".old"
-        if os.path.exists(path):  # moved aside, not deleted, until the new one is in place
-            if os.path.exists(old):
-                shutil.rmtree(old)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if os.path.exists(old):
-            shutil.rmtree(old)
+        meta = {"format": _FORMAT, "host": host, "world_size": ctx.world_size, "extra": extra}
+        atomic_write(Path(tmp) / HOST_FILE, lambda f: torch.save(meta, f))
+        replace_dir(tmp, path)
         return path
 
     return D.on_main(publish)

@@ -1,20 +1,25 @@
 """The sharded supervised step over a DTensor state (see :mod:`pimm_fn.sharding`)."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
 
 from .. import distributed as D
-from ..amp import LossScaleConfig, as_autocast, renamed_loss_scale, unscale_factor, update_loss_scale
+from ..amp import LossScaleConfig, as_autocast, renamed_loss_scale
 from ..compile import Step
-from ..hoist import hoist
-from ..optim.base import frozen_names, update_and_apply
-from ..optim.transforms import clip_to_norm
+from ..optim.base import frozen_names
 from ..steps.common import (
-    applied_buffers, check_clip_grad, check_labels, forward_backward, point_batch_stats, update_metrics,
+    applied_buffers,
+    check_clip_grad,
+    check_labels,
+    forward_backward,
+    guarded_update,
+    point_batch_stats,
+    update_metrics,
 )
-from ..tree import all_finite, global_norm, tree_map, tree_where
+from ..tree import all_finite
 from .collectives import gather_rows, reduce_scatter_rows
 from .layout import like_tree, param_specs, to_local_tree
 
@@ -60,29 +65,19 @@ def sharded(ctx: Optional[D.DistContext] = None, *, clip_grad: Optional[float] =
         loss, out, grads, buffers = forward_backward(  # no gradient for params the optimizer never changes
             state.model, full, state.buffers, batch, scale=scale, autocast=policy, loss_key=loss_key,
             frozen=frozen_names(state.tx, full))
-        if scaler is not None:
-            inv = hoist(unscale_factor(scaler))
-            grads = tree_map(lambda g: g * inv, grads)
-        if ctx.is_distributed:
-            local = reduce_scatter_rows(grads, specs, ctx)
-            grad_norm, finite = _norm_and_finite(local, specs, loss, ctx)
-        else:  # one rank: its rows are the whole param
-            local = grads
-            finite = all_finite(grads) & torch.isfinite(loss)
-            grad_norm = global_norm(grads)
-        finite = hoist(finite)  # read by every leaf's select below
-        if clip_grad is not None:
-            local = clip_to_norm(local, grad_norm, clip_grad)
-        new_params, new_opt = update_and_apply(state.tx, local, opt_state, params)
-        new_params = tree_where(finite, new_params, params)
-        new_opt = tree_where(finite, new_opt, opt_state)
+        shard_rows = grad_check = None  # one rank: its rows are the whole param
+        if ctx.is_distributed:  # each rank updates its rows; the norm and finite check span all ranks
+            shard_rows = functools.partial(reduce_scatter_rows, specs=specs, ctx=ctx)
+            grad_check = functools.partial(_norm_and_finite, specs=specs, loss=loss, ctx=ctx)
+        new_params, new_opt, finite, grad_norm, new_scaler = guarded_update(
+            state.tx, params, opt_state, grads, loss=loss, scaler=scaler, scaler_config=loss_scale_config,
+            clip_grad=clip_grad, grad_transform=shard_rows, grad_check=grad_check)
         metrics = update_metrics(out, loss, state.tx, opt_state, grad_norm, finite, scaler, loss_key)
         metrics.update(point_batch_stats(batch))
         new_state = state.replace(
             step=state.step + 1, params=like_tree(new_params, state.params),
             opt_state=like_tree(new_opt, state.opt_state),
-            buffers=applied_buffers(finite, buffers, state.buffers),
-            loss_scale=update_loss_scale(scaler, finite, loss_scale_config) if scaler is not None else None,
+            buffers=applied_buffers(finite, buffers, state.buffers), loss_scale=new_scaler,
         )
         return new_state, metrics
 

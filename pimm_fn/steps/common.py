@@ -4,12 +4,12 @@ from __future__ import annotations
 from typing import Any, Callable, Collection, Optional, Sequence
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_true
 from torch.func import functional_call
 
-from .. import compile_regions, torch_compat
+from .. import torch_compat
 from ..amp import LossScaleConfig, unscale_factor, update_loss_scale
-from ..hoist import hoist
+from ..compile import regions as compile_regions
+from ..compile.hoist import hoist
 from ..optim.base import frozen_names, update_and_apply
 from ..optim.transforms import clip_to_norm
 from ..tree import all_finite, global_norm, tree_map, tree_scale, tree_where
@@ -78,30 +78,44 @@ def check_labels(model, batch) -> None:
             )
 
 
-def forward_backward(model, params: dict, buffers: dict, batch, *, scale: Optional[torch.Tensor] = None,
-                     autocast=None, loss_key: str = "loss", frozen: Collection[str] = ()):
-    """Loss, output dict, gradients (of ``loss * scale``) and the updated buffers.
+def value_and_grad(fn: Callable, params: dict, *, frozen: Collection[str] = (),
+                   scale: Optional[torch.Tensor] = None):
+    """``fn(params) -> (value, aux)`` and the gradient of ``value * scale`` (of ``value``
+    when ``scale`` is None) with respect to the params not in ``frozen``.
 
-    Uses ``torch.autograd.grad`` over ``functional_call`` on detached leaves: unlike
-    ``torch.func.grad`` it lets BatchNorm update its (cloned) running statistics under
-    ``torch.compile(fullgraph=True)``. Neither ``params`` nor ``buffers`` is mutated.
-    frozen: param names to compute no gradient for (``requires_grad=False``; the
-    optimizer's :func:`pimm_fn.optim.frozen_names`); they are absent from the gradients.
+    Returns ``(value.detach(), aux, grads)``; ``grads`` has a (detached) tensor for every
+    param not frozen, zeros where ``value`` does not depend on it. Uses
+    ``torch.autograd.grad`` over fresh detached leaves rather than ``torch.func.grad``:
+    it lets BatchNorm update its (cloned) running statistics under
+    ``torch.compile(fullgraph=True)``. ``params`` is not mutated.
     """
     leaves = {k: v.detach().requires_grad_(True) for k, v in params.items() if k not in frozen}
     inputs = {k: leaves[k] if k in leaves else v.detach() for k, v in params.items()} if frozen else leaves
-    new_buffers = {k: v.clone() for k, v in buffers.items()}
-    out = call_model(model, inputs, new_buffers, batch, autocast)
-    if isinstance(out, dict) and loss_key not in out:
-        check_labels(model, batch)  # name the missing label rather than the missing loss
-    loss = require_loss(out, loss_key).float()
-    objective = loss if scale is None else loss * scale
+    value, aux = fn(inputs)
+    objective = value if scale is None else value * scale
     grads = torch.autograd.grad(objective, list(leaves.values()), allow_unused=True)
-    grads = {
-        k: (g if g is not None else torch.zeros_like(params[k])).detach()
-        for k, g in zip(leaves, grads)
-    }
-    return loss.detach(), out, grads, new_buffers
+    grads = {k: (g if g is not None else torch.zeros_like(params[k])).detach() for k, g in zip(leaves, grads)}
+    return value.detach(), aux, grads
+
+
+def forward_backward(model, params: dict, buffers: dict, batch, *, scale: Optional[torch.Tensor] = None,
+                     autocast=None, loss_key: str = "loss", frozen: Collection[str] = ()):
+    """Loss, output dict, gradients (of ``loss * scale``, :func:`value_and_grad`) and the
+    updated buffers of ``model(batch)``. Neither ``params`` nor ``buffers`` is mutated.
+
+    frozen: param names to compute no gradient for (``requires_grad=False``; the
+    optimizer's :func:`pimm_fn.optim.frozen_names`); they are absent from the gradients.
+    """
+    new_buffers = {k: v.clone() for k, v in buffers.items()}
+
+    def loss_of(inputs):
+        out = call_model(model, inputs, new_buffers, batch, autocast)
+        if isinstance(out, dict) and loss_key not in out:
+            check_labels(model, batch)  # name the missing label rather than the missing loss
+        return require_loss(out, loss_key).float(), out
+
+    loss, out, grads = value_and_grad(loss_of, params, frozen=frozen, scale=scale)
+    return loss, out, grads, new_buffers
 
 
 def scalar_metrics(out: dict, skip: Sequence[str] = ()) -> dict:
@@ -111,7 +125,7 @@ def scalar_metrics(out: dict, skip: Sequence[str] = ()) -> dict:
         for k, v in out.items():
             # guard_or_true: a point count the compiler holds as unknown (unbacked) counts as
             # "not one element" without a guard, which it could not evaluate.
-            if k in skip or not isinstance(v, torch.Tensor) or guard_or_true(v.numel() != 1):
+            if k in skip or not isinstance(v, torch.Tensor) or torch_compat.guard_or_true(v.numel() != 1):
                 continue
             metrics[k] = v.detach().float().reshape(())
     return metrics
@@ -165,31 +179,33 @@ def check_clip_grad(clip_grad: Optional[float]) -> Optional[float]:
 
 def guarded_update(tx, params: dict, opt_state, grads: dict, *, loss: Optional[torch.Tensor] = None,
                    scaler=None, scaler_config: LossScaleConfig = LossScaleConfig(),
-                   clip_grad: Optional[float] = None, grad_transform: Optional[Callable] = None):
+                   clip_grad: Optional[float] = None, grad_transform: Optional[Callable] = None,
+                   grad_check: Optional[Callable] = None):
     """The update kernel: one optimizer update behind the engine's guards. Every step
-    (supervised, GRPO, a user's own) applies its gradients through this, so gradient
-    transforms, the finite guard, clipping and loss scaling live in one place.
+    (supervised, GRPO, sharded, a user's own) applies its gradients through this, so
+    gradient transforms, the finite guard, clipping and loss scaling live in one place.
 
     In order: unscale by the loss scale (``scaler``: the state's LossScaleState, or None),
-    ``grad_transform`` (e.g. the data-parallel all-reduce), the finite check over the
-    gradients (and ``loss``), global-norm clipping to ``clip_grad``, the optimizer ``tx``
+    ``grad_transform`` (e.g. the data-parallel all-reduce, or the sharded step's
+    reduce-scatter), the global norm and finite check over the gradients (and ``loss``),
+    global-norm clipping to ``clip_grad``, the optimizer ``tx``
     (:func:`pimm_fn.optim.update_and_apply`); gradients of params ``tx`` freezes
     (:func:`pimm_fn.optim.freeze`) are dropped first, or may be absent;
     where the check failed the old params and optimizer state are kept and the scale backs
-    off (``torch.amp.GradScaler``'s rule). Returns ``(params, opt_state, finite, grad_norm,
-    new_scaler)``; ``finite`` is the 0-dim bool a step also gates its buffers with.
+    off (``torch.amp.GradScaler``'s rule). ``grad_check``: ``grads -> (global norm, all
+    finite)`` in place of the local ones, for gradients sharded over ranks (every rank must
+    clip and skip alike). Returns ``(params, opt_state, finite, grad_norm, new_scaler)``;
+    ``finite`` is the 0-dim bool a step also gates its buffers with.
     Inside ``compile_step(fullgraph=False)`` it runs as one compiled graph.
     """
     regions = compile_regions.active()
-    if regions is not None:
-        return regions.update(_guarded_update)(
-            tx, params, opt_state, grads, loss=loss, scaler=scaler, scaler_config=scaler_config,
-            clip_grad=clip_grad, grad_transform=grad_transform)
-    return _guarded_update(tx, params, opt_state, grads, loss=loss, scaler=scaler, scaler_config=scaler_config,
-                           clip_grad=clip_grad, grad_transform=grad_transform)
+    update = _guarded_update if regions is None else regions.update(_guarded_update)
+    return update(tx, params, opt_state, grads, loss=loss, scaler=scaler, scaler_config=scaler_config,
+                  clip_grad=clip_grad, grad_transform=grad_transform, grad_check=grad_check)
 
 
-def _guarded_update(tx, params, opt_state, grads, *, loss, scaler, scaler_config, clip_grad, grad_transform):
+def _guarded_update(tx, params, opt_state, grads, *, loss, scaler, scaler_config, clip_grad, grad_transform,
+                    grad_check):
     frozen = frozen_names(tx, params)
     if frozen:  # params the optimizer never changes: out of the norm, the finite check and clipping
         grads = {k: g for k, g in grads.items() if k not in frozen}
@@ -197,8 +213,11 @@ def _guarded_update(tx, params, opt_state, grads, *, loss, scaler, scaler_config
         grads = tree_scale(grads, hoist(unscale_factor(scaler)))
     if grad_transform is not None:
         grads = grad_transform(grads)
-    grad_norm = global_norm(grads)
-    finite = all_finite(grads, norm=grad_norm)
+    if grad_check is None:
+        grad_norm = global_norm(grads)
+        finite = all_finite(grads, norm=grad_norm)
+    else:
+        grad_norm, finite = grad_check(grads)
     if loss is not None:
         finite = finite & torch.isfinite(loss)
     finite = hoist(finite)  # read by every leaf's select below
@@ -215,21 +234,13 @@ def weighted_sum(trees: Sequence[Any], weights: Sequence[torch.Tensor]):
     """``sum_i w_i * tree_i`` leafwise."""
     total = tree_map(lambda t: t * weights[0], trees[0])
     for tree, w in zip(trees[1:], weights[1:]):
-        total = tree_map(lambda a, t: a + t * w, total, tree)
+        total = tree_map(lambda a, t, w=w: a + t * w, total, tree)
     return total
 
 
 def eval_forward(state, batch):
-    """``model(batch)`` with the state's params in eval mode (BatchNorm uses running stats).
-
-    The model object is static structure shared with the step; its train/eval flag is
-    the one thing this flips, and it is restored before returning.
-    """
-    model = state.model
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            return module_call(model, state.params, state.buffers, (batch,))
-    finally:
-        model.train(was_training)
+    """``model(batch)`` with the state's params in eval mode (BatchNorm uses running stats),
+    under no grad. Eval mode comes from ``state.eval_model``, a second structure-only copy:
+    the state's own module is never switched (see :func:`pimm_fn.state.eval_module`)."""
+    with torch.no_grad():
+        return module_call(state.eval_model, state.params, state.buffers, (batch,))

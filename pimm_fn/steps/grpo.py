@@ -41,12 +41,13 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .. import rl
+from ..amp import LossScaleConfig, as_autocast, renamed_loss_scale
 from ..compile import Step
 from ..data.device import to_device
-from ..amp import LossScaleConfig, as_autocast, renamed_loss_scale
+from ..optim.base import frozen_names
 from ..state import TrainState
 from ..tree import tree_map
-from .common import applied_buffers, check_clip_grad, guarded_update
+from .common import applied_buffers, check_clip_grad, guarded_update, value_and_grad
 
 __all__ = [
     "Rollout",
@@ -60,10 +61,18 @@ __all__ = [
 ]
 
 from .policy import (  # noqa: F401 - the GRPO names users import from here
-    _ADVANTAGES, REF_KEY, LossFn, PolicyFn, Rollout, _advantages, _check_log_probs, _Method, categorical_log_prob,
-    grpo_objective, with_reference,
+    _ADVANTAGES,
+    REF_KEY,
+    LossFn,
+    PolicyFn,
+    Rollout,
+    _advantages,
+    _check_log_probs,
+    _Method,
+    categorical_log_prob,
+    grpo_objective,
+    with_reference,
 )
-
 
 
 class GRPOStep(Step):
@@ -133,7 +142,9 @@ class GRPOStep(Step):
                 raise ValueError(f"rollout traj[{k!r}] has leading dim {tuple(v.shape[:1])}, expected ({n},)")
         mask = ro.traj.get("mask")
         if mask is not None and mask.shape != ro.traj["logp_old"].shape:
-            raise ValueError(f"traj['mask'] shape {tuple(mask.shape)} != logp_old shape {tuple(ro.traj['logp_old'].shape)}")
+            raise ValueError(
+                f"traj['mask'] shape {tuple(mask.shape)} != logp_old shape {tuple(ro.traj['logp_old'].shape)}"
+            )
         rewards = ro.rewards
         if self.reward is not None:
             with torch.no_grad():
@@ -176,6 +187,7 @@ class GRPOStep(Step):
         params, opt_state, scaler, buffers = state.params, state.opt_state, state.loss_scale, state.buffers
         hyper = state.tx.hyperparams(state.opt_state) if state.tx.hyperparams is not None else {}
         ctx_device = next(iter(params.values())).device
+        frozen = frozen_names(state.tx, params)  # no gradient for params the optimizer never changes
         update_metrics, skipped, scales = [], [], []
         for p in range(p_updates):
             grads, outs = None, []
@@ -184,16 +196,6 @@ class GRPOStep(Step):
             for mb in slices:
                 s, e = mb.start, mb.end
                 chunk_traj = {k: (v[s:e] if v is not None else None) for k, v in traj.items()}
-                leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-                # Each forward of a policy in training mode moves its statistics on, as a
-                # module's forwards would, on copies (the input state is never mutated).
-                buffers = _copies(buffers)
-                ctx = self.autocast.context(ctx_device) if self.autocast is not None else None
-                if ctx is None:
-                    out = self.log_prob(self._policy(state.model, leaves, buffers), shared, chunk_traj)
-                else:
-                    with ctx:
-                        out = self.log_prob(self._policy(state.model, leaves, buffers), shared, chunk_traj)
                 chunk = {
                     "logp_old": chunk_traj["logp_old"],
                     "advantages": adv[s:e],
@@ -201,12 +203,11 @@ class GRPOStep(Step):
                     "logp_ref": None if logp_ref is None else logp_ref[s:e],
                     "traj": chunk_traj,
                 }
-                loss, metrics = self.loss(out, chunk, p)
-                weight = mb.weight
-                objective = loss.float() * weight if scale is None else loss.float() * weight * scale
-                g_chunk = torch.autograd.grad(objective, list(leaves.values()), allow_unused=True)
-                g_chunk = {k: (gr if gr is not None else torch.zeros_like(params[k])).detach()
-                           for k, gr in zip(leaves, g_chunk)}
+                # Each forward of a policy in training mode moves its statistics on, as a
+                # module's forwards would, on copies (the input state is never mutated).
+                buffers = _copies(buffers)
+                objective = self._objective(state.model, buffers, shared, chunk, p, mb.weight, ctx_device)
+                _, (loss, metrics), g_chunk = value_and_grad(objective, params, frozen=frozen, scale=scale)
                 grads = g_chunk if grads is None else tree_map(torch.add, grads, g_chunk)
                 metrics = {k: v.detach() for k, v in metrics.items()}
                 metrics.setdefault("loss", loss.detach())
@@ -238,6 +239,22 @@ class GRPOStep(Step):
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, buffers=buffers,
                                   loss_scale=scaler)
         return new_state, metrics
+
+    def _objective(self, model, buffers, shared, chunk, update_index, weight, device):
+        """``params -> (loss * weight, (loss, metrics))`` over one micro-batch, for value_and_grad."""
+
+        def objective(params):
+            policy = self._policy(model, params, buffers)
+            ctx = self.autocast.context(device) if self.autocast is not None else None
+            if ctx is None:
+                out = self.log_prob(policy, shared, chunk["traj"])
+            else:
+                with ctx:
+                    out = self.log_prob(policy, shared, chunk["traj"])
+            loss, metrics = self.loss(out, chunk, update_index)
+            return loss.float() * weight, (loss, metrics)
+
+        return objective
 
     def __repr__(self):
         return f"GRPOStep(G={self.group_size}, P={self.policy_updates}, M={self.microbatch_size})"

@@ -13,7 +13,14 @@ from ..amp import LossScaleConfig, as_autocast, renamed_loss_scale
 from ..compile import Step
 from ..optim.base import frozen_names
 from .common import (
-    applied_buffers, check_clip_grad, check_labels, forward_backward, guarded_update, point_batch_stats, update_metrics, weighted_sum,
+    applied_buffers,
+    check_clip_grad,
+    check_labels,
+    forward_backward,
+    guarded_update,
+    point_batch_stats,
+    update_metrics,
+    weighted_sum,
 )
 
 GradTransform = Callable[[dict], dict]
@@ -73,7 +80,7 @@ def supervised(
             losses.append(loss), outs.append(out), grad_list.append(grads)
         weights = _weights(micro, microbatch_weight)
         grads = grad_list[0] if accumulate == 1 else weighted_sum(grad_list, weights)
-        loss = losses[0] if accumulate == 1 else sum(w * l for w, l in zip(weights, losses))
+        loss = losses[0] if accumulate == 1 else sum(w * mb_loss for w, mb_loss in zip(weights, losses))
         params, opt_state, finite, grad_norm, new_scaler = guarded_update(
             state.tx, state.params, state.opt_state, grads, loss=loss, scaler=scaler, scaler_config=loss_scale_config,
             clip_grad=clip_grad, grad_transform=grad_transform,

@@ -5,7 +5,7 @@ leaves never enter a compiled graph: the RNG key and the data cursor (Python int
 be guarded by value and recompile every step). :class:`Step` is the boundary: it seeds
 torch's generator from the state's RNG key, runs the optional host ``prepare`` (GRPO's
 rollout), calls the pure core on the state without those leaves, and hands back the state
-with the key advanced and the cursor untouched. :mod:`pimm_fn.compile` compiles the core.
+with the key advanced and the cursor untouched. :mod:`pimm_fn.compile.step` compiles the core.
 """
 from __future__ import annotations
 
@@ -13,18 +13,16 @@ import functools
 from typing import Any, Callable, Optional
 
 import torch
-import torch._dynamo
 
-from .compile_modes import device_error
-from .state import RngKey, TrainState
+from ..state import RngKey, TrainState
+from .modes import device_error
 
-_DYNAMO_CONFIG = torch._dynamo.config
 _CPU_GENERATOR = torch.default_generator
 
 StepCore = Callable[[TrainState, Any], tuple]
 
 
-def _rank_seed(seed: int) -> int:
+def rank_seed(seed: int) -> int:
     # Under data parallelism every rank holds the same key; folding the rank in gives each
     # rank its own dropout masks / samples while keeping them a pure function of the state.
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -40,96 +38,61 @@ class seeded_rng:
     global RNG stream as it found it (model construction or data code after a step draws
     the same numbers whether or not, and on which rank, steps ran).
 
-    Why not ``torch.random.fork_rng`` + ``torch.manual_seed``: on torch 2.13 they cost
-    ~80-90 us per call and grow with the caller's stack depth (``manual_seed`` formats the
-    Python stack); saving the generator's state and seeding the generator object directly
-    costs ~2 us and gives the same stream. Inductor's compiled random ops draw their seeds
-    from this same default generator, so eager and compiled steps are governed alike.
+    The generator's state is saved and the generator seeded directly rather than through
+    ``torch.random.fork_rng`` + ``torch.manual_seed``, which cost far more per call and grow
+    with the caller's stack depth (benchmarks/README.md, "Engine overhead"). Inductor's
+    compiled random ops draw their seeds from this same default generator, so eager and
+    compiled steps are governed alike.
     """
 
-    __slots__ = ("seed", "_saved")
+    __slots__ = ("seed", "_cpu", "_cuda")
 
     def __init__(self, seed: int):
         self.seed = seed
-        self._saved = None
+        self._cpu = self._cuda = None
 
     def __enter__(self):
-        gens = [torch.default_generator]
+        self._cpu = _CPU_GENERATOR.get_state()
+        _CPU_GENERATOR.manual_seed(self.seed)
         # CUDA's generator only once CUDA is in use: querying it would initialise CUDA.
         if torch.cuda.is_initialized():
-            gens.append(torch.cuda.default_generators[torch.cuda.current_device()])
-        self._saved = [(g, g.get_state()) for g in gens]
-        for g in gens:
-            g.manual_seed(self.seed)
+            gen = torch.cuda.default_generators[torch.cuda.current_device()]
+            self._cuda = (gen, gen.get_state())
+            gen.manual_seed(self.seed)
         return self
 
     def __exit__(self, *exc):
-        for g, st in self._saved:
-            g.set_state(st)
-        self._saved = None
+        _CPU_GENERATOR.set_state(self._cpu)
+        if self._cuda is not None:
+            gen, state = self._cuda
+            gen.set_state(state)
+        self._cpu = self._cuda = None
         return False
 
 
-def _with_host(state: TrainState, rng, cursor) -> TrainState:
-    # state.replace(rng=..., cursor=...) without its field check: this runs twice per call.
-    new = object.__new__(TrainState)
-    fields = new.__dict__
-    fields.update(state.__dict__)
-    fields["rng"] = rng
-    fields["cursor"] = cursor
-    return new
+def with_host(state: TrainState, rng, cursor) -> TrainState:
+    """``state`` with its host leaves (the RNG key and the cursor) set."""
+    return state.replace(rng=rng, cursor=cursor)
 
 
-def _run_core(core: StepCore, state: TrainState, batch):
+def run_core(core: StepCore, state: TrainState, batch):
+    """Call a pure ``core`` on ``state`` without its host leaves, seeded from its key.
+
+    Randomness inside a step (dropout, sampling) comes from torch's generator, seeded from
+    the state's key on every call: the same state and batch always give the same result,
+    whichever graph (eager, compiled, recompiled) runs. Returns the new state with the key
+    advanced and the cursor as it was, and the metrics.
+    """
     if not isinstance(state, TrainState):
         raise TypeError(f"a step takes a TrainState as its first argument, got {type(state).__name__}")
-    # Randomness inside a step (dropout, sampling) comes from torch's generator, seeded
-    # from the state's key: the same state and batch always give the same result.
     rng, cursor = state.rng, state.cursor
-    seed = _rank_seed(rng.step_seed())
-    if torch.cuda.is_initialized():
-        with seeded_rng(seed):
-            try:
-                new_state, metrics = core(_with_host(state, None, None), batch)
-            except RuntimeError as err:
-                device_error(err, state, batch)
-                raise
-    else:  # seeded_rng inlined for the CPU generator alone: this path runs every call
-        saved = _CPU_GENERATOR.get_state()
-        _CPU_GENERATOR.manual_seed(seed)
+    with seeded_rng(rank_seed(rng.step_seed())):
         try:
-            new_state, metrics = core(_with_host(state, None, None), batch)
+            new_state, metrics = core(with_host(state, None, None), batch)
         except RuntimeError as err:
             device_error(err, state, batch)
             raise
-        finally:
-            _CPU_GENERATOR.set_state(saved)
-    return _with_host(new_state, rng.next(), cursor), metrics
-
-
-def _run_unseeded(core: StepCore, state: TrainState, batch):
-    # For a compiled step seen to draw no random numbers: the generator is neither saved,
-    # seeded nor restored (~8 us of the boundary on a 2-core machine).
-    if not isinstance(state, TrainState):
-        raise TypeError(f"a step takes a TrainState as its first argument, got {type(state).__name__}")
-    new_state, metrics = core(_with_host(state, None, None), batch)
-    return _with_host(new_state, state.rng.next(), state.cursor), metrics
-
-
-def _run_probed(core: StepCore, state: TrainState, batch):
-    """``_run_core``, also saying whether the core drew from the generator (CUDA: assumed)."""
-    if torch.cuda.is_initialized() or not isinstance(state, TrainState):
-        return _run_core(core, state, batch), True
-    rng, cursor = state.rng, state.cursor
-    saved = _CPU_GENERATOR.get_state()
-    _CPU_GENERATOR.manual_seed(_rank_seed(rng.step_seed()))
-    seeded = _CPU_GENERATOR.get_state()
-    try:
-        new_state, metrics = core(_with_host(state, None, None), batch)
-        drew = not torch.equal(_CPU_GENERATOR.get_state(), seeded)
-    finally:
-        _CPU_GENERATOR.set_state(saved)
-    return (_with_host(new_state, rng.next(), cursor), metrics), drew
+    return with_host(new_state, rng.next(), cursor), metrics
 
 
 class Step:
@@ -161,19 +124,19 @@ class Step:
 
     def __call__(self, state: TrainState, batch):
         if self.prepare is None:
-            new_state, metrics = _run_core(self.core, state, batch)
+            new_state, metrics = run_core(self.core, state, batch)
         else:
-            inner, prepared = _prepare(self, state, batch)
-            new_state, metrics = _run_core(self.core, inner, prepared)
-            new_state = _with_host(new_state, state.rng.next(), state.cursor)
-        _check_finite(self, state, metrics)
+            inner, prepared = prepare_batch(self, state, batch)
+            new_state, metrics = run_core(self.core, inner, prepared)
+            new_state = with_host(new_state, state.rng.next(), state.cursor)
+        check_finite(self, state, metrics)
         return new_state, metrics
 
     def __repr__(self):
         return f"Step({self.name})"
 
 
-def _prepare(step: "Step", state: TrainState, batch):
+def prepare_batch(step: "Step", state: TrainState, batch):
     """Run ``step.prepare`` on the host: ``(the state the core gets, the core's batch)``.
 
     The core's state carries a key split off this step's key; the caller hands back the
@@ -187,7 +150,7 @@ def _prepare(step: "Step", state: TrainState, batch):
             "compile it with compile_step(step), which compiles its core and runs prepare eagerly"
         )
     seed = state.rng.step_seed()
-    with seeded_rng(_rank_seed(seed)):
+    with seeded_rng(rank_seed(seed)):
         prepared = step.prepare(state, batch)
     if prepared is None:
         raise TypeError(
@@ -201,10 +164,10 @@ def _prepare(step: "Step", state: TrainState, batch):
             "the batch its core takes (prepare(state, batch) -> batch') and cannot change the state: "
             "move state updates into the core"
         )
-    return _with_host(state, RngKey(seed=seed, counter=0), state.cursor), prepared
+    return with_host(state, RngKey(seed=seed, counter=0), state.cursor), prepared
 
 
-def _check_finite(step: "Step", state: TrainState, metrics: dict):
+def check_finite(step: "Step", state: TrainState, metrics: dict):
     # Only when the user chose to raise: reading the flag is a host sync.
     if step.raise_on_nonfinite and "skipped" in metrics and bool(metrics["skipped"]):
         raise FloatingPointError(
@@ -215,12 +178,12 @@ def _check_finite(step: "Step", state: TrainState, metrics: dict):
         )
 
 
-def _validate_first_batch(batch, name: str, state: Optional[TrainState] = None) -> None:
+def validate_first_batch(batch, name: str, state: Optional[TrainState] = None) -> None:
     # Before the first trace: a batch whose keys disagree (32 inputs, 30 labels) would
     # otherwise fail inside fake-tensor tracing with a message about symbolic sizes, and a
     # batch on another device than the state with one about fake-tensor device propagation.
-    from .data.collate import validate_batch
-    from .data.device import check_batch_device
+    from ..data.collate import validate_batch
+    from ..data.device import check_batch_device
 
     try:
         validate_batch(batch)

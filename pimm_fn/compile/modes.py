@@ -1,4 +1,4 @@
-"""Compile settings and device checks of the compile boundary (used by :mod:`pimm_fn.compile`).
+"""Compile settings and device checks of the compile boundary.
 
 ``mode_patches``: inductor's config patches for a ``compile_step(mode=...)``, with CUDA
 graphs kept off graphs with a dynamic dimension. ``copy_tensors``: a state or metrics
@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-from .state import TrainState
+from .. import torch_compat
+from ..state import TrainState
 
 _MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -23,9 +24,7 @@ def mode_patches(mode: Optional[str], dynamic: Optional[bool], options: Optional
         return patches
     if mode not in _MODES:
         raise ValueError(f"compile_step: unknown mode {mode!r}; use one of {', '.join(map(repr, _MODES))} or None")
-    from torch._inductor import list_mode_options
-
-    modal = dict(list_mode_options(mode, dynamic))
+    modal = torch_compat.inductor_mode_options(mode, dynamic)
     if modal.get("triton.cudagraphs"):
         # A graph with a dynamic dimension (variable point counts) would record one CUDA
         # graph per distinct size: every step a new recording. Such graphs run without CUDA
@@ -36,7 +35,7 @@ def mode_patches(mode: Optional[str], dynamic: Optional[bool], options: Optional
 
 def copy_tensors(tree):
     """``tree`` with every tensor copied (fresh memory, outside any CUDA graph pool)."""
-    from .tree import tree_map
+    from ..tree import tree_map
 
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
 
@@ -46,7 +45,7 @@ def device_error(err: RuntimeError, state, batch) -> None:
     for a batch on another device than the state (checked only once a step failed)."""
     if "device" not in str(err) or not isinstance(state, TrainState) or not state.params:
         return
-    from .data.device import check_batch_device
+    from ..data.device import check_batch_device
 
     try:
         check_batch_device(batch, state.device)

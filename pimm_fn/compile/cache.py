@@ -7,6 +7,10 @@ without running dynamo or AOTAutograd again. The kernels themselves are the indu
 cache's (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_$USER``); without them
 a load still works and compiles the kernels again.
 
+The folder is bounded: after each save, the least recently used artifacts (a load
+refreshes an artifact's time) are removed until it holds at most
+``$PIMM_FN_STEP_CACHE_MAX_MB`` MiB (default 2 GiB), with temp files of dead writers.
+
 The key is what the artifact was specialised on. dynamo's own guards (kept in the
 artifact) cover the tensors' shapes, dtypes and devices and the module's structure; they
 do not cover values captured by the step's closures (``clip_grad``, the schedule's
@@ -21,14 +25,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import os
 import pathlib
 import re
 import types
 from typing import Any, Optional
 
+import attrs
 import torch
+
+from .. import torch_compat
+from ..tree import NAMESPACE, tree_leaves
 
 _MAX_DEPTH = 40
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -54,7 +61,7 @@ def resolve_dir(cache) -> Optional[pathlib.Path]:
 @functools.cache
 def _package_sources() -> str:
     h = hashlib.sha256()
-    root = pathlib.Path(__file__).resolve().parent
+    root = pathlib.Path(__file__).resolve().parent.parent  # the pimm_fn package
     for p in sorted(root.rglob("*.py")):
         h.update(str(p.relative_to(root)).encode())
         h.update(p.read_bytes())
@@ -202,18 +209,18 @@ class _Hasher:
 
 def fingerprint(core, state) -> str:
     """A hex digest that changes whenever something baked into a compiled step changes."""
-    from . import isa_memo
+    from .isa_memo import cpu_features
 
     h = _Hasher()
     h.text(f"torch:{torch.__version__}")
     h.text(f"pimm_fn:{_package_sources()}")
-    h.text(f"cpu:{torch.backends.cpu.get_cpu_capability()}:{isa_memo.cpu_features()}")
+    h.text(f"cpu:{torch.backends.cpu.get_cpu_capability()}:{cpu_features()}")
     h.text(f"threads:{torch.get_num_threads()}:{torch.get_float32_matmul_precision()}:"
            f"{torch.are_deterministic_algorithms_enabled()}")
-    for config in (torch._dynamo.config, torch._inductor.config):
+    for config in (torch_compat.dynamo_config(), torch_compat.inductor_config()):
         try:
             h.value(config.save_config_portable())  # dicts and sets in a stable order
-        except Exception:  # noqa: BLE001 - an older or newer config API: hash what repr says
+        except Exception:
             h.text(_ADDRESS.sub("", repr(config)))
     h.value(core)
     h.value(state.model)
@@ -228,8 +235,6 @@ def leaves_key(inner_state, batch, shapes: bool = True) -> str:
     A step compiled ``dynamic=True`` leaves shapes out: its artifact serves any size its
     own guards accept, and rejects (falls back to compiling) the rest."""
     import optree
-
-    from .tree import NAMESPACE
 
     paths, leaves, _ = optree.tree_flatten_with_path((inner_state, batch), namespace=NAMESPACE)
     parts = []
@@ -246,8 +251,6 @@ def shapes_of(batch):
     """The batch's tree with each tensor replaced by its shape."""
     import optree
 
-    from .tree import NAMESPACE
-
     return optree.tree_map(lambda x: tuple(x.shape) if isinstance(x, torch.Tensor) else None, batch,
                            namespace=NAMESPACE, none_is_leaf=True)
 
@@ -257,15 +260,13 @@ def mark_changed_dims(first_shapes, batch) -> None:
     ``first_shapes`` (same tree): the dims dynamo would make dynamic on a second shape."""
     import optree
 
-    from .tree import NAMESPACE
-
     if first_shapes is None:
         return
     try:
         old = optree.tree_leaves(first_shapes, namespace=NAMESPACE, none_is_leaf=True,
                                  is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x))
         new = optree.tree_leaves(batch, namespace=NAMESPACE, none_is_leaf=True)
-    except Exception:  # noqa: BLE001 - another structure: dynamo decides alone
+    except Exception:
         return
     if len(old) != len(new):
         return
@@ -273,7 +274,68 @@ def mark_changed_dims(first_shapes, batch) -> None:
         if isinstance(leaf, torch.Tensor) and isinstance(shape, tuple) and len(shape) == leaf.dim():
             for d, (a, b) in enumerate(zip(shape, leaf.shape)):
                 if a != b:
-                    torch._dynamo.maybe_mark_dynamic(leaf, d)
+                    torch_compat.mark_backed(leaf, d)
+
+
+DEFAULT_MAX_BYTES = 2 << 30
+_MAX_BYTES_ENV = "PIMM_FN_STEP_CACHE_MAX_MB"
+
+
+def max_bytes() -> int:
+    """The cache folder's size bound: ``$PIMM_FN_STEP_CACHE_MAX_MB`` MiB, default 2 GiB."""
+    raw = os.environ.get(_MAX_BYTES_ENV)
+    if not raw:
+        return DEFAULT_MAX_BYTES
+    try:
+        return max(0, int(float(raw) * (1 << 20)))
+    except ValueError:
+        raise ValueError(f"{_MAX_BYTES_ENV}={raw!r} is not a number of MiB; set it to e.g. 2048, "
+                         "or unset it for the default (2 GiB)") from None
+
+
+def prune(directory: pathlib.Path, limit: Optional[int] = None, keep: Optional[pathlib.Path] = None) -> list:
+    """Remove least recently used artifacts until the folder holds at most ``limit`` bytes
+    (default :func:`max_bytes`), and temp files of writers that are gone. A load touches
+    its artifact, so what is used stays; ``keep`` (the artifact just written) is never
+    removed. Returns the removed paths."""
+    from ..atomic import TMP_RE
+
+    limit = max_bytes() if limit is None else limit
+    removed, artifacts = [], []
+    for p in directory.glob("*"):
+        try:
+            st = p.stat()
+        except OSError:
+            continue  # another process removed it
+        tmp = TMP_RE.match(p.name)
+        if tmp is not None and not _alive(int(tmp.group("pid"))):
+            removed.append(p)
+        elif p.suffix == ".pt2step" and p != keep:
+            artifacts.append((st.st_mtime, st.st_size, p))
+        elif p == keep:
+            limit -= st.st_size
+    total = sum(size for _, size, _ in artifacts)
+    for _, size, p in sorted(artifacts, key=lambda a: a[0]):  # oldest use first
+        if total <= limit:
+            break
+        removed.append(p)
+        total -= size
+    for p in removed:
+        try:
+            p.unlink()
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
 
 
 def artifact_path(directory: pathlib.Path, name: str, key: str) -> pathlib.Path:
@@ -283,14 +345,10 @@ def artifact_path(directory: pathlib.Path, name: str, key: str) -> pathlib.Path:
 
 def save(compiled, path: pathlib.Path) -> None:
     """Write the artifact atomically: a killed writer leaves no half file under the key."""
+    from ..atomic import atomic_replace
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        compiled.save_compiled_function(str(tmp))
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    atomic_replace(path, lambda tmp: compiled.save_compiled_function(str(tmp)), durable=False)
 
 
 def load(path: pathlib.Path, core=None, patches: Optional[dict] = None):
@@ -299,17 +357,78 @@ def load(path: pathlib.Path, core=None, patches: Optional[dict] = None):
     ``patches``: the inductor config the step was compiled under (compile_step's mode and
     options). Loading runs under it too: a load re-derives each kernel's inductor-cache key
     from the current config, so a step compiled with, e.g., ``cpp_cache_precompile_headers``
-    off and loaded with it on would miss every kernel and compile them all again (measured:
-    7.6 s instead of 0.9 s for the MLP step).
+    off and loaded with it on would miss every kernel and compile them all again.
     """
-    import torch._inductor.config as inductor_config
-
     f_globals = getattr(core, "__globals__", None)
     kwargs = {} if f_globals is None else {"f_globals": f_globals}
-    with open(path, "rb") as f, inductor_config.patch(patches or {}):
+    with open(path, "rb") as f, torch_compat.inductor_config().patch(patches or {}):
         return torch.compiler.load_compiled_function(f, **kwargs)
 
 
 def is_guard_failure(err: BaseException) -> bool:
     """A loaded artifact called on inputs its guards reject (a new shape or dtype)."""
     return isinstance(err, RuntimeError) and "GuardManager check failed" in str(err)
+
+
+@attrs.frozen
+class Precompiled:
+    """What :func:`precompiled_step` found: the step (None: compile as without a cache),
+    its artifact's path, whether it was loaded, and the example batch's shapes."""
+
+    fn: object
+    path: pathlib.Path
+    loaded: bool
+    first_shapes: object
+
+
+def precompiled_step(core, name: str, state, batch, directory: pathlib.Path, *, dynamic, patches: dict,
+                     settings: str) -> Precompiled:
+    """The step from the cache, or compiled now through dynamo's precompile API and saved there."""
+    import warnings
+
+    inner = state.replace(rng=None, cursor=None)
+    first_shapes = shapes_of(batch)
+    key = hashlib.sha256("|".join((
+        fingerprint(core, state), leaves_key(inner, batch, shapes=dynamic is not True), settings,
+    )).encode()).hexdigest()
+    path = artifact_path(directory, name, key)
+    if path.exists():
+        try:
+            fn = load(path, core, patches)
+            os.utime(path)  # recently used: pruning removes the least recently used first
+            return Precompiled(fn, path, True, first_shapes)
+        except Exception as err:  # a damaged or foreign file: compile instead
+            warnings.warn(f"the cached step {path} could not be loaded ({type(err).__name__}: {err}); "
+                          "compiling it again and replacing the file", RuntimeWarning, stacklevel=4)
+    # dynamic=None would let dynamo's automatic dynamic shapes follow what this process
+    # compiled before (another step over the same core code): the saved artifact would
+    # then be static or dynamic by the process's history. It is static (its key holds the
+    # shapes) unless the step is dynamic=True or the batch carries mark_dynamic'ed dims; a
+    # new shape fails its guards and compiles as without a cache, the changed dims dynamic.
+    if dynamic is None and not any(torch_compat.is_marked_dynamic(t) for t in tree_leaves(batch)
+                                   if isinstance(t, torch.Tensor)):
+        dynamic = False
+    compiled = torch.compile(core, fullgraph=True, dynamic=dynamic, options=patches or None)
+    fn = None
+    for attempt in range(2):
+        try:
+            with torch_compat.step_tracing_config():
+                fn = compiled.aot_compile(((inner, batch), {}))
+            break
+        except torch_compat.tensorify_restart_error():
+            # dynamo's own loop restarts here (it has just specialised a float input); the
+            # precompile API does not, so restart it once.
+            if attempt:
+                raise
+        except Exception as err:  # not precompilable: compile as without a cache
+            first_line = str(err).splitlines()[0] if str(err) else ""
+            warnings.warn(f"the step cannot be saved to the cache ({type(err).__name__}: {first_line}); it "
+                          "compiles as usual, and the next process compiles it again", RuntimeWarning, stacklevel=4)
+            return Precompiled(None, path, False, first_shapes)
+    try:
+        save(fn, path)
+        prune(directory, keep=path)
+    except Exception as err:  # a read-only or full disk: run without saving
+        warnings.warn(f"could not save the compiled step to {path} ({type(err).__name__}: {err}); "
+                      "the next process compiles it again", RuntimeWarning, stacklevel=4)
+    return Precompiled(fn, path, False, first_shapes)

@@ -1,6 +1,6 @@
 """What stops a step from compiling as one graph: every graph break, where, and the fix.
 
-:func:`pimm_fn.compile.explain_step` traces a step's core once with breaks allowed and the
+:func:`explain_step` traces a step's core once with breaks allowed and the
 recompile limit lifted, so a loop that recompiles per cloud does not hide the breaks
 behind it, and collects dynamo's own graph-break records (each with its user stack) as
 :class:`GraphBreak` entries: ``file:line``, the source line, the reason, a kind and a hint.
@@ -11,21 +11,23 @@ from __future__ import annotations
 import contextlib
 import linecache
 import logging
+import os
 import re
 from typing import Optional
 
-import os
-
 import attrs
+import torch
 
-from . import torch_compat
+from .. import torch_compat
+from ..state import TrainState
+from .boundary import as_step, prepare_batch, rank_seed, seeded_rng
 
 # pimm_fn's own step code (not its models): a break placed here follows from one in the
 # model (dynamo skipped the frame that called it and traced its comprehensions apart).
-_ENGINE_DIR = os.path.dirname(os.path.abspath(__file__))
+_ENGINE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MODELS_DIR = os.path.join(_ENGINE_DIR, "models")
 
-__all__ = ["GraphBreak", "StepExplanation", "classify", "collect_breaks"]
+__all__ = ["GraphBreak", "StepExplanation", "classify", "collect_breaks", "explain_step"]
 
 # (kind, patterns in dynamo's reason, hint): the constructs users' point models hit.
 _KINDS = (
@@ -142,7 +144,7 @@ def _parse(record: str) -> Optional[GraphBreak]:
         line = int(line_s)
     # Dynamo's first line often only says which bytecode it was tracing; its gb_type and
     # explanation follow.
-    lines = [l for l in reason.splitlines() if l.strip() and not l.startswith("Encountered graph break when")]
+    lines = [ln for ln in reason.splitlines() if ln.strip() and not ln.startswith("Encountered graph break when")]
     summary = "\n    ".join(lines[:3])
     kind, hint = classify(reason)
     if filename.startswith(_ENGINE_DIR + os.sep) and not filename.startswith(_MODELS_DIR + os.sep):
@@ -180,3 +182,38 @@ def collect_breaks():
             breaks.append(entry)
         elif entry.skipped and not breaks[where[key]].skipped:
             breaks[where[key]] = attrs.evolve(breaks[where[key]], skipped=True)
+
+
+def explain_step(step_fn, state: TrainState, batch) -> StepExplanation:
+    """Every graph break of a step's pure core, with ``file:line``, the reason and a fix.
+
+    Traces the core once with breaks allowed and the recompile limit lifted (a per-cloud
+    loop that would recompile cannot hide the breaks after it), with dynamo's own eager
+    backend (nothing is compiled by inductor). Returns a :class:`StepExplanation`:
+    ``graph_count``, ``graph_break_count``, ``breaks`` (:class:`GraphBreak`: location,
+    source line, reason, kind, hint, and whether dynamo skipped the whole frame), and
+    ``graphs``; ``print(explanation)`` gives the report. A clean step has 0 breaks and 1
+    graph. The state is not mutated and the caller's generator is left as it was.
+    step_fn may be a core function, any :class:`Step` or a :class:`CompiledStep`; a step
+    with a host ``prepare`` (GRPO's rollout) runs it exactly as a call would, and its core
+    is explained (only the core is ever compiled). Explaining resets dynamo.
+    """
+    step = as_step(getattr(step_fn, "step", step_fn))  # a CompiledStep explains the Step it runs
+    if step.prepare is not None:
+        state, batch = prepare_batch(step, state, batch)
+    inner = state.replace(rng=None, cursor=None)
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch_compat.reset_dynamo()
+    unlimited = dict(recompile_limit=1_000_000, accumulated_recompile_limit=1_000_000)
+    try:
+        with seeded_rng(rank_seed(state.rng.step_seed())), torch_compat.step_tracing_config(), \
+                torch_compat.dynamo_config().patch(**unlimited), collect_breaks() as breaks:
+            torch.compile(step.core, backend=keep_graph)(inner, batch)
+    finally:
+        torch_compat.reset_dynamo()
+    return StepExplanation(graphs=graphs, breaks=breaks)

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import torch_compat
+from .. import torch_compat
 
 __all__ = ["CompiledRegions", "active"]
 
@@ -38,13 +38,12 @@ def active() -> Optional["CompiledRegions"]:
 class CompiledRegions:
     """The compiled model calls and update of one ``compile_step(..., fullgraph=False)``.
 
-    backend: the step's counting inductor backend; dynamic: torch.compile's ``dynamic``.
+    dynamic: torch.compile's ``dynamic``; patches: inductor config (compile_step's mode and
+    options); recompile_limit: recompiles allowed per region (dynamo's default otherwise).
     """
 
-    def __init__(self, backend: Callable, dynamic: Optional[bool], recompile_limit: Optional[int] = None):
-        self._backend = backend
-        self._dynamic = dynamic
-        self._recompile_limit = recompile_limit
+    def __init__(self, dynamic: Optional[bool], patches: dict, recompile_limit: Optional[int] = None):
+        self._settings = dict(dynamic=dynamic, options=patches or None, recompile_limit=recompile_limit)
         self._modules: dict = {}  # id(module) -> (module, its compiled wrapper)
         self._update: Optional[Callable] = None
 
@@ -54,14 +53,14 @@ class CompiledRegions:
             return module  # the user compiled it already, with their own settings
         held = self._modules.get(id(module))
         if held is None or held[0] is not module:
-            held = (module, torch.compile(module, backend=self._backend, dynamic=self._dynamic))
+            held = (module, torch.compile(module, **self._settings))
             self._modules[id(module)] = held
         return held[1]
 
     def update(self, fn: Callable) -> Callable:
         """``fn`` (the guarded update) compiled as one graph."""
         if self._update is None:
-            self._update = torch.compile(fn, fullgraph=True, backend=self._backend, dynamic=self._dynamic)
+            self._update = torch.compile(fn, fullgraph=True, **self._settings)
         return self._update
 
     @contextlib.contextmanager
@@ -70,7 +69,6 @@ class CompiledRegions:
         global _ACTIVE
         previous, _ACTIVE = _ACTIVE, self
         try:
-            with torch_compat.recompile_limit(self._recompile_limit):
-                yield self
+            yield self
         finally:
             _ACTIVE = previous

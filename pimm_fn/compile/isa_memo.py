@@ -1,17 +1,16 @@
-"""A persistent memo of inductor's CPU vector-ISA probes (cuts ~9 s from a cold compile).
+"""An opt-in persistent memo of inductor's CPU vector-ISA probes.
 
 Before its first CPU kernel, inductor decides which vector ISAs it may use by compiling a
 tiny C++ program per ISA (and per AVX-512 sub-feature) and dlopen-ing each in a child
-Python (``torch._inductor.cpu_vec_isa.VecISA.check_build``). Measured on the 2-core
-development machine: ~9 s of a 15.6 s cold compile of a small step, and ~1.5 s of every
-later process even with a warm cache (the dlopen children run each time). The answers
-depend only on the machine, the compiler and torch, so they are kept in a JSON file keyed
+Python (``VecISA.check_build``), in every process: inductor's own cache keeps the programs,
+not the answers (benchmarks/README.md, "ISA probes"). The answers depend only on the
+machine, the compiler and torch, so they are kept in a JSON file keyed
 by all three -- the CPU's feature flags included, so a home folder shared by cluster nodes
 with different CPUs never hands one node another's answer.
 
-``check_build`` is a private torch API: the memo is installed only where it has the
-expected shape, any error falls back to torch's own probe, and ``PIMM_FN_ISA_MEMO=0``
-turns it off. See docs/compile_time.md.
+Opt-in, because it replaces a torch class method (``check_build``, private) for the
+whole process: call :func:`install`, or set ``PIMM_FN_ISA_MEMO=1`` and ``compile_step``
+installs it (the CLI and the test suite do). Any error falls back to torch's probe.
 """
 from __future__ import annotations
 
@@ -21,6 +20,8 @@ import json
 import os
 import platform
 from typing import Optional
+
+from .. import torch_compat
 
 _ENV = "PIMM_FN_ISA_MEMO"
 
@@ -47,8 +48,8 @@ def cpu_features() -> str:
 def probe_key(isa, code: str, features: Optional[str] = None) -> str:
     """The memo key of one probe: torch, compiler fingerprint, ISA and flags, source, CPU."""
     import torch
-    from torch._inductor import cpu_vec_isa
 
+    cpu_vec_isa = torch_compat.cpu_vec_isa_class()
     flags = isa.build_arch_flags()
     fingerprint = getattr(cpu_vec_isa, "_get_isa_dry_compile_fingerprint", None)
     compiler = fingerprint(flags) if callable(fingerprint) else ""
@@ -67,22 +68,29 @@ def _load(path: str) -> dict:
 
 
 def _store(path: str, memo: dict) -> None:
+    from ..atomic import atomic_write
+
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(memo, f)
-        os.replace(tmp, path)  # concurrent writers: the last complete file wins
+        # concurrent writers: the last complete file wins
+        data = json.dumps(memo).encode()
+        atomic_write(path, lambda f: f.write(data), durable=False)
     except OSError:
         pass  # a read-only home: the probe simply runs again next time
 
 
+def opted_in() -> bool:
+    """Whether the environment asks for the memo (``PIMM_FN_ISA_MEMO=1``)."""
+    return os.environ.get(_ENV, "") == "1"
+
+
 def install() -> bool:
-    """Wrap ``VecISA.check_build`` with the memo (once per process). Returns whether it is on."""
-    if os.environ.get(_ENV, "1") == "0":
+    """Wrap ``VecISA.check_build`` with the memo (once per process). Returns whether it is on;
+    ``PIMM_FN_ISA_MEMO=0`` keeps it off."""
+    if os.environ.get(_ENV, "") == "0":
         return False
     try:
-        from torch._inductor import cpu_vec_isa
+        cpu_vec_isa = torch_compat.cpu_vec_isa_class()
     except ImportError:
         return False
     original = getattr(cpu_vec_isa.VecISA, "check_build", None)
@@ -97,7 +105,7 @@ def install() -> bool:
     def check_build(self, code):
         try:
             key = probe_key(self, code)
-        except Exception:  # noqa: BLE001 - torch internals moved: probe as torch does
+        except Exception:  # torch internals moved: probe as torch does
             return original(self, code)
         if isinstance(memo.get(key), bool):
             return memo[key]

@@ -1,0 +1,304 @@
+"""``compile_step``: a :class:`~pimm_fn.compile.boundary.Step` with its core compiled.
+
+One interface, three ways to run the core:
+
+- whole (the default): the core is one graph, ``torch.compile(fullgraph=True)``; it may be
+  saved to and loaded from the step cache (:mod:`.cache`) or replayed as CUDA graphs;
+- regions (``fullgraph=False``): the step's Python runs as written, its model call and its
+  guarded update compiled (:mod:`.regions`);
+- eager: the same boundary, nothing compiled (debugging).
+
+Every call goes through :func:`~.boundary.run_core`, which seeds torch's generator from
+the state's key. While a step call is on the stack, each dynamo compile runs under
+:func:`pimm_fn.torch_compat.step_tracing_config`, entered from dynamo's own compile-start
+callback: a call that finds its graph compiled pays nothing for it. Compiles are counted
+with dynamo's counter and their reasons read from its compilation records.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Optional
+
+import torch
+
+from .. import torch_compat
+from ..state import TrainState
+from ..tree import tree_leaves
+from . import cache as step_cache
+from . import isa_memo
+from .boundary import Step, as_step, check_finite, prepare_batch, run_core, validate_first_batch, with_host
+from .modes import copy_tensors, mode_patches
+from .regions import CompiledRegions
+
+__all__ = ["CompiledStep", "compile_step", "mark_point_batch_dynamic"]
+
+# Step calls on the stack, and the tracing settings entered for the compile under way.
+_CALLS = 0
+_TRACING: list = []
+
+
+def _on_compile_start():
+    if _CALLS:
+        _TRACING.append(torch_compat.step_tracing_config())
+
+
+def _on_compile_end():
+    if _TRACING:
+        _TRACING.pop().close()
+
+
+_ensure_compile_hooks = None  # torch_compat.dynamo_compile_hooks(...), made with the first compiled step
+
+
+class CompiledStep:
+    """A :class:`Step` compiled whole (``fullgraph=True``) or in regions, counting its compilations.
+
+    compile_count: graphs compiled for this step (1 in steady state; each recompile +1;
+        a graph-tolerant step counts each piece).
+    recompile_reasons: why each recompile happened (dynamo's guard failures).
+    compile_seconds: wall time of the calls that compiled (or loaded from the cache).
+    graph_breaks: the breaks a ``fullgraph=False`` step was compiled around (first call).
+    cache_path / loaded_from_cache: the step-cache artifact used, and whether it was loaded.
+    """
+
+    def __init__(self, step: Step, *, eager: bool = False, dynamic: Optional[bool] = None,
+                 mode: Optional[str] = None, options: Optional[dict] = None,
+                 recompile_limit: Optional[int] = None, cache=None, fullgraph: bool = True):
+        if not fullgraph and not eager and cache not in (None, False):
+            raise ValueError(
+                "compile_step(fullgraph=False) cannot use the step cache: the cache saves one whole-step "
+                "graph, and a graph-tolerant step is compiled in regions around its breaks; drop cache= "
+                "or make the step compile fullgraph (see docs/migration.md, 'Bring your model')")
+        self.step = step
+        self.eager = eager
+        self.fullgraph = fullgraph
+        self.cache_dir = None if eager else step_cache.resolve_dir(cache)
+        self.cache_path: Optional[str] = None
+        self.loaded_from_cache = False
+        self.compile_count = 0
+        self.recompile_reasons: list[str] = []
+        self.compile_seconds: list[float] = []
+        self.graph_breaks = 0
+        self._dynamic = dynamic
+        self._settings = repr((dynamic, mode, sorted((options or {}).items()), recompile_limit))
+        self._called = False
+        self._points_marked = False  # the first point batch's dims were marked unbacked
+        self._precompiled = None  # the cached step, until its guards reject an input
+        self._first_shapes = None  # the cached step's example batch shapes
+        self._regions: Optional[CompiledRegions] = None
+        self._patches = mode_patches(mode, dynamic, options)
+        # CUDA graphs (reduce-overhead, max-autotune): see _run_whole.
+        self._cudagraphs = not eager and bool(self._patches.get("triton.cudagraphs"))
+        self._core = step.core
+        if eager:
+            return
+        global _ensure_compile_hooks
+        if _ensure_compile_hooks is None:
+            _ensure_compile_hooks = torch_compat.dynamo_compile_hooks(_on_compile_start, _on_compile_end)
+        if isa_memo.opted_in():
+            isa_memo.install()
+        if not fullgraph:
+            if self._cudagraphs:
+                raise ValueError(
+                    f"compile_step(fullgraph=False, mode={mode!r}): CUDA graphs replay one whole-step graph "
+                    "and copy its outputs out of their pool; a step compiled in regions has no such graph. Use "
+                    "mode=None (or 'max-autotune-no-cudagraphs') with fullgraph=False")
+            self._regions = CompiledRegions(dynamic, self._patches, recompile_limit)
+            return
+        self._core = torch.compile(step.core, fullgraph=True, dynamic=dynamic, options=self._patches or None,
+                                   recompile_limit=recompile_limit, isolate_recompiles=True)
+
+    def __call__(self, state: TrainState, batch):
+        if self.step.prepare is None:
+            return self._call_core(state, batch)
+        inner, prepared = prepare_batch(self.step, state, batch)
+        new_state, metrics = self._call_core(inner, prepared)
+        return with_host(new_state, state.rng.next(), state.cursor), metrics
+
+    def _call_core(self, state: TrainState, batch):
+        global _CALLS
+        first = not self._called
+        graphs, start = torch_compat.compiled_graph_count(), time.perf_counter()
+        breaks = torch_compat.graph_break_count() if first and self._regions is not None else 0
+        if not self.eager:
+            _ensure_compile_hooks()
+        _CALLS += 1
+        try:
+            if first:
+                self._before_first_call(state, batch)
+            new_state, metrics = self._run(state, batch)
+        finally:
+            _CALLS -= 1
+        compiled = torch_compat.compiled_graph_count() - graphs
+        if compiled:
+            if first and self._regions is not None:
+                breaks = torch_compat.graph_break_count() - breaks
+            self._count_compiles(compiled, time.perf_counter() - start, first, breaks)
+        self._called = True
+        if self.step.raise_on_nonfinite:
+            check_finite(self.step, state, metrics)
+        return new_state, metrics
+
+    def _before_first_call(self, state: TrainState, batch):
+        validate_first_batch(batch, self.step.name, state)
+        if self.step.check_batch is not None:
+            self.step.check_batch(state, batch)
+        if self.eager:
+            return
+        if self._cudagraphs and isinstance(state, TrainState) and state.params and state.device.type != "cuda":
+            warnings.warn(
+                f"compile_step(mode=...) with CUDA graphs: the state of step {self.step.name!r} is on "
+                f"{state.device}, where no CUDA graphs are recorded; the step compiles as in the default "
+                "mode (pass mode=None to silence this)", UserWarning, stacklevel=4)
+            self._cudagraphs = False
+        if self._dynamic is None and self.cache_dir is None:
+            # Point counts symbolic from the first call. Regions trace them as guarded sizes:
+            # unbacked ones fail on the host reads of sizes that mode exists for.
+            self._points_marked = mark_point_batch_dynamic(batch, unbacked=self._regions is None)
+        if self.cache_dir is not None:
+            start = time.perf_counter()
+            found = step_cache.precompiled_step(
+                self.step.core, self.step.name, state, batch, self.cache_dir,
+                dynamic=self._dynamic, patches=self._patches, settings=self._settings)
+            self.cache_path = str(found.path)
+            self._precompiled, self._first_shapes = found.fn, found.first_shapes
+            self.loaded_from_cache = found.loaded
+            if found.loaded:
+                self.compile_seconds.append(time.perf_counter() - start)
+
+    def _count_compiles(self, compiled: int, seconds: float, first: bool, breaks: int):
+        self.compile_count += compiled
+        self.compile_seconds.append(seconds)
+        self.recompile_reasons.extend(r for r in torch_compat.compilation_reasons(compiled) if r)
+        if first and self._regions is not None:
+            self.graph_breaks = breaks  # a piece's recompiles meet its breaks again: counted once
+            if breaks:
+                warnings.warn(
+                    f"step {self.step.name!r} (fullgraph=False): its model was compiled around {breaks} graph "
+                    f"break(s) in {compiled} graphs; explain_step(step, state, batch) lists them with "
+                    "file:line and a fix for each", RuntimeWarning, stacklevel=4)
+
+    def _run(self, state: TrainState, batch):
+        if self._regions is not None:
+            with self._regions.activate():
+                return run_core(self._core, state, batch)
+        if self.eager:
+            return run_core(self._core, state, batch)
+        if self._precompiled is not None:
+            try:
+                return self._run_whole(self._precompiled, state, batch)
+            except RuntimeError as err:
+                if not step_cache.is_guard_failure(err):
+                    raise
+                # A new shape or dtype: from now on the step compiles as without a cache,
+                # with the dims that changed dynamic (the cached graph was the static one).
+                self.recompile_reasons.append(f"the cached step's guards rejected the input: {err}"[:500])
+                self._precompiled = None
+                if self._dynamic is None:
+                    step_cache.mark_changed_dims(self._first_shapes, batch)
+        try:
+            return self._run_whole(self._core, state, batch)
+        except Exception as err:
+            if self._points_marked and torch_compat.is_data_dependent_error(err):
+                return self._retry_with_guarded_sizes(err, state, batch)
+            if torch_compat.is_dynamo_unsupported(err):
+                # Dynamo reports a user error raised while tracing (a missing "loss", a shape
+                # mismatch) as "Observed exception". The core is pure, so running it eagerly
+                # once raises the user's own error.
+                try:
+                    run_core(self.step.core, state, batch)
+                except Exception as user_error:
+                    raise user_error from err
+            raise
+
+    def _run_whole(self, fn, state: TrainState, batch):
+        if not self._cudagraphs:
+            return run_core(fn, state, batch)
+        # A CUDA-graph replay writes its outputs into the pool memory of the replay before:
+        # without a copy, a state or metrics the caller still holds would be overwritten by
+        # the next step. One device copy per step is what mode="reduce-overhead" costs.
+        torch.compiler.cudagraph_mark_step_begin()
+        new_state, metrics = run_core(fn, state, batch)
+        return copy_tensors(new_state), copy_tensors(metrics)
+
+    def _retry_with_guarded_sizes(self, err: Exception, state: TrainState, batch):
+        # The model reads a point count (a branch on a size, a host check): trace the point
+        # dims as guarded symbols instead; crossing a guard then recompiles.
+        warnings.warn(
+            f"step {self.step.name!r}: the model needs the value of a point count while tracing "
+            f"({str(err).splitlines()[0][:200]}); the point dims are traced with guards instead, so "
+            "batches whose sizes cross a guard compile again (see docs/models.md, 'Compiling point models')",
+            RuntimeWarning, stacklevel=5)
+        self._points_marked = False
+        mark_point_batch_dynamic(batch, unbacked=False)
+        return self._run_whole(self._core, state, batch)
+
+    @property
+    def name(self) -> str:
+        return self.step.name
+
+    def __repr__(self):
+        return f"CompiledStep({self.step.name}, compiles={self.compile_count}, eager={self.eager})"
+
+
+def mark_point_batch_dynamic(batch, unbacked: bool = True) -> bool:
+    """Mark the leading dim of every tensor of a point batch (one with ``offset``) dynamic.
+
+    Point counts change with every batch (and a U-Net's topology holds one count per level):
+    compiled static first, a point model would compile twice, and with guarded symbolic
+    sizes again whenever a batch crosses a size the compiler chose by (inductor's CPU
+    reductions switch at 4,096 rows). Unbacked sizes (at least 2 rows) compile once for all
+    batches. ``offset`` (one row per cloud) keeps its size; other batches are left alone.
+    Returns whether anything was marked.
+    """
+    if not isinstance(batch, dict) or "offset" not in batch:
+        return False
+    for key, value in batch.items():
+        if key == "offset":
+            continue
+        for leaf in tree_leaves(value):
+            if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+                if unbacked:
+                    torch_compat.mark_unbacked(leaf, 0)
+                else:
+                    torch_compat.clear_unbacked(leaf)
+                    torch_compat.mark_backed(leaf, 0)
+    return True
+
+
+def compile_step(step_fn, *, eager: bool = False, dynamic: Optional[bool] = None,
+                 mode: Optional[str] = None, options: Optional[dict] = None,
+                 recompile_limit: Optional[int] = None, cache=None, fullgraph: bool = True) -> CompiledStep:
+    """Compile a step with ``torch.compile(fullgraph=True)`` semantics, or in regions.
+
+    step_fn: a :class:`Step` or a plain core function over TrainState.
+    eager: run uncompiled (for debugging) behind the same interface.
+    fullgraph: True (default): the whole step is one graph and any graph break is an
+        error naming the offending operation. False: for a model that cannot be one graph
+        (host reads, Python loops over clouds, external kernels): the step's Python runs
+        as written, the model is compiled with its breaks (the pieces and their backward
+        compiled) and the guarded update (clip, optimizer, loss scale) is one compiled
+        graph; a warning says how many breaks were compiled around. The state contract is
+        unchanged (pure, seeded every call). See docs/migration.md, "Bring your model".
+    dynamic: torch.compile's ``dynamic``. The default (None): on a point batch (a dict
+        with ``offset``) every tensor's leading dim (the point counts, a U-Net topology's
+        per-level counts) is traced as an unknown size from the first call, so the step
+        compiles once for all batches; a model that reads such a size falls back, with a
+        warning, to guarded symbolic sizes. Other batches compile static first and make a
+        varying dimension dynamic on the first recompile.
+    mode / options: inductor mode and config patches. ``mode="reduce-overhead"`` records
+        CUDA graphs: use it on CUDA with a static batch shape and a small step whose time
+        is kernel launches (it replays the whole step in one launch; each call also copies
+        the new state out of the graph's memory pool). With a dynamic dimension (variable
+        point counts) the dynamic graph runs without CUDA graphs (no re-recording per
+        size). On the CPU there are no CUDA graphs: the step compiles as in the default
+        mode, with a warning. See docs/gpu.md.
+    recompile_limit: recompiles allowed for this step (dynamo's default otherwise).
+    cache: True (``~/.cache/pimm_fn/steps``, or under ``$XDG_CACHE_HOME``) or a folder: the
+        first call's compiled step is saved there and a later process with the same step,
+        model, optimizer and input shapes loads it instead of tracing again (see
+        :mod:`pimm_fn.compile.cache`). Off by default.
+    """
+    return CompiledStep(as_step(step_fn), eager=eager, dynamic=dynamic, mode=mode, options=options,
+                        recompile_limit=recompile_limit, cache=cache, fullgraph=fullgraph)
