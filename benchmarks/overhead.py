@@ -1,28 +1,35 @@
-"""What the engine itself costs: the step boundary and fit's callbacks, interleaved in one process.
+"""What the engine itself costs: the step boundary, and fit's cost per step over a bare loop.
 
 1. Boundary: a trivial compiled step (``state.step + 1`` and one reduction) called through
    ``compile_step`` versus the same core compiled bare with ``torch.compile(fullgraph=True)``
    and called on the inner state. The difference per call is what the boundary adds (RNG
    seeding, the host leaves, the finite check). Measured at the caller's stack depth and
    again 60 frames deeper (a notebook calls from deep stacks).
-2. fit: a compiled supervised MLP step (64-256-10, batch 256, AdamW + OneCycle, clip 1.0;
-   ~0.5-1 ms on 2 cores) run as a bare ``for b in batches: state, m = step(state, b)``
-   loop, through ``fit`` with no callbacks, with each callback alone (ProgressBar to
-   /dev/null, TensorBoard every step, Checkpoint every epoch) and with all three. Each way
-   keeps its own state; a round runs every way once (one ``fit`` call of ``--epochs``
-   epochs of ``--steps-per-epoch`` steps each, the order rotating); the figure is the
-   median over rounds of each way's time divided by the bare loop's time in the same
-   round. What a run pays once (opening files and bars, waiting for its last checkpoint
-   write) is measured apart, from one-step runs, and printed beside it.
-3. Engine work: the same ways over a host step that hands back the compiled step's metrics
-   without running kernels, in process CPU time: what fit and each callback cost per step,
-   steady under load where the wall-time ratios of 2. are not.
+2. fit: one step function run as a bare ``for b in batches: state, m = step(state, b)`` loop
+   and through ``fit`` (no callbacks; ProgressBar to /dev/null + TensorBoard every step +
+   Checkpoint every epoch, "fit+all"; with ``--each`` each callback alone), each way with its
+   own state. A round runs every way for 1 and for 4 epochs of E steps (one ``fit`` call
+   each), in a rotating order. A way's cost per step in a round is the slope
+   ``(t(4E) - t(E)) / 3E``: what a run pays once (opening the event file and the bars,
+   waiting for the last checkpoint write) cancels, what an epoch pays (its checkpoint, one
+   every 200 steps by default: far more often than a real run saves) is spread over its
+   steps. The overhead is that slope minus the bare loop's slope of the same round; its
+   median over the rounds is printed with its quartiles, beside the slope of each way's
+   fastest runs at each length (what a run costs when nothing else on the machine got in
+   its way: the figure to compare on a shared machine). What a run pays once is
+   ``t(E) - E * slope`` over the bare loop's. Each run is timed in wall time (what training
+   waits for) and in CPU time, of the whole process (the writer threads' work included) and
+   of the training thread: a busy machine scatters wall time, CPU time much less.
 
-    python benchmarks/overhead.py                  # table + benchmarks/results/overhead.json
-    python benchmarks/overhead.py --quick          # fewer rounds
+   ``--model mlp``: the compiled supervised MLP 64-256-10 step, batch 256, AdamW + OneCycle,
+   clip 1.0 (~0.55 ms on one thread). ``--model ptv3``: the PTv3-class backbone on real LiDAR
+   batches (``pimm_fn.bench.workloads.ptv3``), run eagerly (compiling it takes minutes).
+
+    python benchmarks/overhead.py --threads 1                  # mlp; results/overhead.{json,txt}
+    python benchmarks/overhead.py --threads 1 --model ptv3 --steps-per-epoch 2 --rounds 5 --skip-boundary
 
 Speed is measured here, never asserted in tests. Read the load average printed with the
-table: on a busy machine the ratios are noise.
+table: on a busy machine the spread widens.
 """
 from __future__ import annotations
 
@@ -49,8 +56,6 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 def load() -> list:
     return [round(x, 2) for x in os.getloadavg()]
-
-
 # ----------------------------------------------------------------------------- boundary
 
 
@@ -108,202 +113,195 @@ def boundary(rounds: int, calls: int, deep: int = 60) -> dict:
 
 # ----------------------------------------------------------------------------- fit
 
-FIT_WAYS = ("bare_loop", "fit", "fit+progress", "fit+tensorboard", "fit+checkpoint", "fit+checkpoint_fg", "fit+all")
+CALLBACKS = ("progress", "tensorboard", "checkpoint")
 
 
-def _mlp_setup(steps_per_epoch: int, total_epochs: int):
-    torch.manual_seed(0)
-    model = MLPClassifier(64, 10, hidden=(256,))
-    horizon = steps_per_epoch * total_epochs
-    tx = optim.adamw(schedules.one_cycle(horizon, 1e-3), weight_decay=0.01)
-    state = TrainState.create(model, tx, seed=0)
-    g = torch.Generator().manual_seed(0)
-    pool = [{"x": torch.randn(256, 64, generator=g), "y": torch.randint(0, 10, (256,), generator=g)}
-            for _ in range(8)]
-    loader = [pool[i % len(pool)] for i in range(steps_per_epoch)]
-    return state, loader
-
-
-def _callbacks(way: str, root: str, devnull) -> list:
-    """The callbacks of one way, writing under ``root``."""
+def _callbacks(names, root: str, devnull) -> list:
     made = {
         "progress": lambda: ProgressBar(file=devnull),
         "tensorboard": lambda: TensorBoard(os.path.join(root, "tb"), every_steps=1),
         "checkpoint": lambda: Checkpoint(os.path.join(root, "ckpt"), every_epochs=1, keep_last=2),
-        "checkpoint_fg": lambda: Checkpoint(os.path.join(root, "ckpt"), every_epochs=1, keep_last=2,
-                                            background=False),
     }
-    if way == "fit":
-        return []
-    if way == "fit+all":
-        return [made[k]() for k in ("progress", "tensorboard", "checkpoint")]
-    return [made[way.split("+")[1]]()]
+    return [made[n]() for n in names]
 
 
-def _fold(step, state0, loader, rounds: int, epochs: int, clock, *more_clocks) -> dict:
-    """Every way of FIT_WAYS over ``step``: ``clock`` seconds per round, the order rotating
-    (and each of ``more_clocks`` over the same calls, under ``"more"``)."""
+def mlp_workload():
+    """The compiled MLP step, its state and a pool of 8 batches."""
+    torch.manual_seed(0)
+    model = MLPClassifier(64, 10, hidden=(256,))
+    state = TrainState.create(model, optim.adamw(schedules.one_cycle(10**7, 1e-3), weight_decay=0.01), seed=0)
+    g = torch.Generator().manual_seed(0)
+    pool = [{"x": torch.randn(256, 64, generator=g), "y": torch.randint(0, 10, (256,), generator=g)}
+            for _ in range(8)]
+    return compile_step(steps.supervised(clip_grad=1.0)), state, pool
+
+
+def ptv3_workload():
+    """The PTv3-class step (eager), its state and 4 real LiDAR batches."""
+    from pimm_fn.bench import workloads
+
+    wl = workloads.ptv3(4)
+    return compile_step(wl.step, eager=True), wl.state, list(wl.batches)
+
+
+def fit_overhead(step, state0, pool, *, steps_per_epoch: int, epochs: int, rounds: int, each: bool) -> dict:
+    """Per-step wall time of each way as a slope over runs of ``epochs`` and ``4 * epochs``
+    epochs of ``steps_per_epoch`` steps (see the module doc)."""
+    ways = {"bare_loop": None, "fit": ()}
+    if each:
+        ways.update({f"fit+{c}": (c,) for c in CALLBACKS})
+    ways["fit+all"] = CALLBACKS
+    loader = [pool[i % len(pool)] for i in range(steps_per_epoch)]
+    lengths = (epochs, 4 * epochs)
     tmp = tempfile.TemporaryDirectory(prefix="pimm_fn_overhead_")
     devnull = open(os.devnull, "w")
-    cbs = {w: _callbacks(w, os.path.join(tmp.name, w.replace("+", "_")), devnull) for w in FIT_WAYS if w != "bare_loop"}
-    states = {w: state0 for w in FIT_WAYS}
+    cbs = {w: _callbacks(c, os.path.join(tmp.name, w.replace("+", "_")), devnull)
+           for w, c in ways.items() if c is not None}
+    states = dict.fromkeys(ways, state0)
 
-    def bare(state):
-        for _ in range(epochs):
-            for b in loader:
-                state, _ = step(state, b)
-        return state
+    def run(way, k):
+        state = states[way]
+        if way == "bare_loop":
+            for _ in range(k):
+                for b in loader:
+                    state, _ = step(state, b)
+        else:
+            state = fit(state, loader, step, epochs=state.cursor.epoch + k, callbacks=cbs[way]).state
+        states[way] = state
 
-    def through_fit(way):
-        def run(state):
-            return fit(state, loader, step, epochs=state.cursor.epoch + epochs, callbacks=cbs[way]).state
-        return run
-
-    runs = {w: (bare if w == "bare_loop" else through_fit(w)) for w in FIT_WAYS}
-    for w in FIT_WAYS:  # compile once, open writers, make folders
-        states[w] = runs[w](states[w])
-    seconds = {w: [] for w in FIT_WAYS}
-    more = [{w: [] for w in FIT_WAYS} for _ in more_clocks]
+    step(state0, pool[0])  # compile outside fit: the first call is nobody's overhead
+    for way in ways:  # warm: open writers, make folders
+        run(way, 1)
+    clocks = {"wall": time.perf_counter, "cpu": time.process_time, "thread": time.thread_time}
+    seconds = {(c, w, k): [] for c in clocks for w in ways for k in lengths}
+    order = [(w, k) for w in ways for k in lengths]
     for r in range(rounds):
-        k = r % len(FIT_WAYS)
-        for w in FIT_WAYS[k:] + FIT_WAYS[:k]:
-            m0 = [c() for c in more_clocks]
-            t0 = clock()
-            states[w] = runs[w](states[w])
-            seconds[w].append(clock() - t0)
-            for c, start, out in zip(more_clocks, m0, more):
-                out[w].append(c() - start)
-    # What a run pays once, whatever its length (open the event file and the bars, wait for
-    # the last checkpoint write): a one-step, one-epoch call minus one bare step.
-    one = loader[:1]
-    fixed = {w: [] for w in FIT_WAYS}
-    for r in range(rounds):
-        for w in FIT_WAYS:
-            t0 = clock()
-            if w == "bare_loop":
-                states[w] = step(states[w], one[0])[0]
-            else:
-                states[w] = fit(states[w], one, step, epochs=states[w].cursor.epoch + 1, callbacks=cbs[w]).state
-            fixed[w].append(clock() - t0)
+        shift = r % len(order)
+        for w, k in order[shift:] + order[:shift]:
+            start = {c: clock() for c, clock in clocks.items()}
+            run(w, k)
+            for c, clock in clocks.items():
+                seconds[(c, w, k)].append(clock() - start[c])
     devnull.close()
     tmp.cleanup()
-    return {"seconds": seconds, "fixed": fixed, "more": more}
+
+    n = epochs * steps_per_epoch
+
+    def slope(c, w, r):
+        return (seconds[(c, w, 4 * epochs)][r] - seconds[(c, w, epochs)][r]) / (3 * n)
+
+    out = {"steps_per_epoch": steps_per_epoch, "epochs": list(lengths), "rounds": rounds}
+    for c in clocks:
+        res = out[c] = {"us_per_step": {}, "overhead_us": {}, "overhead_quartiles_us": {}, "once_per_run_ms": {},
+                        "per_round_overhead_us": {}}
+        bare = [slope(c, "bare_loop", r) for r in range(rounds)]
+        for w in ways:
+            per_step = [slope(c, w, r) for r in range(rounds)]
+            over = [1e6 * (a - b) for a, b in zip(per_step, bare)]
+            once = [seconds[(c, w, epochs)][r] - n * per_step[r] - (seconds[(c, "bare_loop", epochs)][r] - n * bare[r])
+                    for r in range(rounds)]
+            res["us_per_step"][w] = 1e6 * statistics.median(per_step)
+            res["overhead_us"][w] = statistics.median(over)
+            res["overhead_quartiles_us"][w] = _quartiles(over)
+            res["once_per_run_ms"][w] = 1e3 * statistics.median(once)
+            res["per_round_overhead_us"][w] = over
+            # The fastest of the rounds' runs at each length: what a run costs when nothing
+            # else on the machine got in its way.
+            fastest = {k: min(seconds[(c, w, k)]) for k in lengths}
+            res.setdefault("fastest_us_per_step", {})[w] = 1e6 * (fastest[4 * epochs] - fastest[epochs]) / (3 * n)
+        bare_fastest = res["fastest_us_per_step"]["bare_loop"]
+        res["fastest_overhead_us"] = {w: v - bare_fastest for w, v in res["fastest_us_per_step"].items()}
+    out["seconds"] = {f"{c} {w} {k}": v for (c, w, k), v in seconds.items()}
+    return out
 
 
-def fit_overhead(rounds: int, steps_per_epoch: int, epochs: int) -> dict:
-    """fit's per-step cost with each callback alone and all together, vs a bare loop (wall time)."""
-    state0, loader = _mlp_setup(steps_per_epoch, epochs * (rounds + 2))
-    step = compile_step(steps.supervised(clip_grad=1.0))
-    out = _fold(step, state0, loader, rounds, epochs, time.perf_counter)
-    seconds, fixed = out["seconds"], out["fixed"]
-    n = steps_per_epoch * epochs
-    ratios = {w: [s / b for s, b in zip(seconds[w], seconds["bare_loop"])] for w in FIT_WAYS}
-    return {
-        "steps_per_epoch": steps_per_epoch, "epochs_per_call": epochs, "rounds": rounds,
-        "bare_ms_per_step": statistics.median(seconds["bare_loop"]) * 1e3 / n,
-        "ms_per_step": {w: statistics.median(v) * 1e3 / n for w, v in seconds.items()},
-        "overhead": {w: statistics.median(v) - 1 for w, v in ratios.items()},
-        "per_round_ratio": ratios,
-        "per_run_ms": {w: 1e3 * (statistics.median(fixed[w]) - statistics.median(fixed["bare_loop"]))
-                       for w in FIT_WAYS},
-        "compile_count": step.compile_count,
-    }
-
-
-def engine_cpu(rounds: int, steps_per_epoch: int, epochs: int) -> dict:
-    """The engine's own work per step, without the step: the same ways over a host step that
-    returns the compiled step's metrics unchanged (no kernels), in process CPU time (every
-    thread, the checkpoint writer's included). Unlike wall-time ratios on a shared machine,
-    this is steady under load: it says what fit and the callbacks cost, not what a busy
-    neighbour did."""
-    state0, loader = _mlp_setup(steps_per_epoch, epochs * (rounds + 2))
-    compiled = compile_step(steps.supervised(clip_grad=1.0))
-    real_state, metrics = compiled(state0, loader[0])
-
-    def host_step(state, batch):
-        return state, dict(metrics)  # a fresh dict of the same 0-dim tensors, as a step returns
-
-    out = _fold(host_step, real_state, loader, rounds, epochs, time.process_time, time.thread_time)
-    n = steps_per_epoch * epochs
-
-    def over_bare(seconds):
-        bare = statistics.median(seconds["bare_loop"])
-        return {w: 1e6 * (statistics.median(v) - bare) / n for w, v in seconds.items()}
-
-    # The training thread's share is what a step waits for; the rest (the checkpoint and
-    # TensorBoard writer threads) runs beside the steps when a core is free.
-    return {"metric_keys": sorted(metrics), "rounds": rounds, "steps_per_epoch": steps_per_epoch,
-            "us_per_step_over_bare": over_bare(out["seconds"]),
-            "training_thread_us_per_step_over_bare": over_bare(out["more"][0])}
+def _quartiles(xs) -> list:
+    if len(xs) < 2:
+        return [xs[0], xs[0]] if xs else [0.0, 0.0]
+    q = statistics.quantiles(xs, n=4)
+    return [q[0], q[2]]
 
 
 # ----------------------------------------------------------------------------- report
 
 
 def table(res: dict) -> str:
-    b, f = res["boundary"], res["fit"]
     lines = [
-        f"pimm_fn {pimm_fn.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"load average before {res['load_before']} after {res['load_after']}",
-        "",
-        "step boundary (compile_step call minus the bare compiled core), us per call:",
-        "| caller stack | compiled step | bare core | boundary |",
-        "|---|---|---|---|",
+        f"pimm_fn {pimm_fn.__version__}, torch {torch.__version__}, {res['machine']['cpu']}, "
+        f"{torch.get_num_threads()} threads, load average before {res['load_before']} after {res['load_after']}",
     ]
-    for label in ("shallow", "deep"):
-        d = b[label]
-        lines.append(f"| {label} (+{d['depth']} frames) | {d['us_per_call']['step']:.1f} | "
-                     f"{d['us_per_call']['bare']:.1f} | **{d['boundary_us']:.1f}** |")
-    lines += [
-        "",
-        f"fit overhead over the bare loop (compiled MLP 64-256-10 step, batch 256, bare "
-        f"{f['bare_ms_per_step']:.3f} ms/step; {f['epochs_per_call']} epochs x {f['steps_per_epoch']} steps "
-        f"per call, median of {f['rounds']} paired rounds):",
-        "| way | ms/step | overhead | once per run (1-step run minus 1 bare step) |",
-        "|---|---|---|---|",
-    ]
-    for w in FIT_WAYS:
-        lines.append(f"| {w} | {f['ms_per_step'][w]:.3f} | {100 * f['overhead'][w]:+.1f}% | "
-                     f"{f['per_run_ms'][w]:.2f} ms |")
-    e = res.get("engine_cpu")
-    if e:
+    b = res.get("boundary")
+    if b:
         lines += [
             "",
-            f"engine work per step without the step (a host step returning the compiled step's metrics "
-            f"{e['metric_keys']}; CPU time of the process (all threads) and of the training thread; median "
-            f"of {e['rounds']} rounds), and as a share of the bare compiled step ({f['bare_ms_per_step']:.3f} ms):",
-            "| way | all threads, us/step | share of the step | training thread, us/step | share of the step |",
-            "|---|---|---|---|---|",
+            "step boundary (compile_step call minus the bare compiled core), us per call:",
+            "| caller stack | compiled step | bare core | boundary |",
+            "|---|---|---|---|",
         ]
-        step_us = 1e3 * f["bare_ms_per_step"]
-        for w in FIT_WAYS:
-            us, main_us = e["us_per_step_over_bare"][w], e["training_thread_us_per_step_over_bare"][w]
-            lines.append(f"| {w} | {us:.1f} | {100 * us / step_us:.1f}% | {main_us:.1f} | {100 * main_us / step_us:.1f}% |")
+        for label in ("shallow", "deep"):
+            d = b[label]
+            lines.append(f"| {label} (+{d['depth']} frames) | {d['us_per_call']['step']:.1f} | "
+                         f"{d['us_per_call']['bare']:.1f} | **{d['boundary_us']:.1f}** |")
+    f = res["fit"]
+    bare_us = f["wall"]["fastest_us_per_step"]["bare_loop"]
+    lines += [
+        "",
+        f"fit over the bare loop, {res['model']} step (bare {bare_us / 1e3:.3f} ms/step), slope over runs of "
+        f"{f['epochs'][0]} and {f['epochs'][1]} epochs of {f['steps_per_epoch']} steps (a checkpoint each epoch), "
+        f"{f['rounds']} rounds; us/step over the bare loop from the fastest runs (wall; CPU time of the process, "
+        "all threads; CPU time of the training thread) and the median of the rounds' paired wall slopes:",
+        "| way | wall, fastest runs | share of the step | wall, median of rounds (quartiles) | CPU all threads "
+        "| CPU training thread | once per run (wall) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for w in f["wall"]["us_per_step"]:
+        wall = f["wall"]
+        over, (q1, q3), fast = wall["overhead_us"][w], wall["overhead_quartiles_us"][w], wall["fastest_overhead_us"][w]
+        lines.append(f"| {w} | {fast:.1f} | {100 * fast / bare_us:+.2f}% | {over:.1f} ({q1:.0f} .. {q3:.0f}) | "
+                     f"{f['cpu']['fastest_overhead_us'][w]:.1f} | {f['thread']['fastest_overhead_us'][w]:.1f} | "
+                     f"{wall['once_per_run_ms'][w]:.1f} ms |")
     return "\n".join(lines)
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--calls", type=int, default=2000, help="boundary calls per round and way")
+    p.add_argument("--model", choices=("mlp", "ptv3"), default="mlp")
+    p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--steps-per-epoch", type=int, default=200)
-    p.add_argument("--epochs", type=int, default=5, help="epochs per fit call (one call per round and way)")
+    p.add_argument("--epochs", type=int, default=1, help="k: each way runs k and 4k epochs a round")
+    p.add_argument("--each", action="store_true", help="also each callback alone")
+    p.add_argument("--calls", type=int, default=2000, help="boundary calls per round and way")
+    p.add_argument("--skip-boundary", action="store_true")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--quick", action="store_true", help="4 rounds, 500 boundary calls")
-    p.add_argument("--json", default=os.path.join(RESULTS, "overhead.json"))
+    p.add_argument("--quick", action="store_true", help="5 rounds, 500 boundary calls")
+    p.add_argument("--json", default=None, help="default results/overhead.json (overhead_ptv3.json for ptv3)")
     args = p.parse_args(argv)
     if args.quick:
-        args.rounds, args.calls = 4, 500
+        args.rounds, args.calls = 5, 500
     if args.threads:
         torch.set_num_threads(args.threads)
-    res = {"machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpus": os.cpu_count(),
-                       "threads": torch.get_num_threads()},
-           "load_before": load()}
-    res["boundary"] = boundary(args.rounds, args.calls)
-    res["fit"] = fit_overhead(args.rounds, args.steps_per_epoch, args.epochs)
-    res["engine_cpu"] = engine_cpu(args.rounds, args.steps_per_epoch, args.epochs)
+    res = {"machine": {"python": sys.version.split()[0], "platform": platform.platform(), "cpu": _cpu(),
+                       "cpus": os.cpu_count(), "threads": torch.get_num_threads()},
+           "model": args.model, "load_before": load()}
+    if not args.skip_boundary:
+        res["boundary"] = boundary(args.rounds, args.calls)
+    step, state, pool = mlp_workload() if args.model == "mlp" else ptv3_workload()
+    res["fit"] = fit_overhead(step, state, pool, steps_per_epoch=args.steps_per_epoch, epochs=args.epochs,
+                              rounds=args.rounds, each=args.each)
     res["load_after"] = load()
-    write_results(res, table(res), args.json)
+    name = "overhead.json" if args.model == "mlp" else f"overhead_{args.model}.json"
+    write_results(res, table(res), args.json or os.path.join(RESULTS, name))
     return 0
 
 

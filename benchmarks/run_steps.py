@@ -2,7 +2,8 @@
 
     python benchmarks/run_steps.py --threads 1            # full
     python benchmarks/run_steps.py --threads 1 --quick    # fewer rounds / steps, mlp cache probe only
-    python benchmarks/run_steps.py --threads 1 --quick --ways seed_eager,pimm_compiled,jax --fit-rounds 0 --cache-probe none  # pimm_fn vs JAX
+    python benchmarks/run_steps.py --threads 1 --quick --fit-rounds 0 --cache-probe none \\
+        --ways seed_eager,pimm_compiled,jax               # pimm_fn vs JAX
 
 For each model (mlp, pointseg on variable-size batches, cnn) every "way" trains from the
 same initial weights on the same batches. Ways run round-robin: each round runs every way
@@ -20,8 +21,9 @@ jax_ways.configure_threads: XLA_FLAGS alone do not limit it).
 
 Models: pimm_fn.models' MLPClassifier, PointSegNet (variable-size point batches, every
 total above 4096) and ImageClassifier (see pimm_fn/bench/workloads.py).
-Also: fit's per-step overhead over a bare loop (mlp), the machine's bound (forward+backward FLOPs from FlopCounterMode over the measured
-peak float32 GEMM rate), per-way peak memory, time per point on variable- vs fixed-size
+Also: fit's per-step overhead over a bare loop (mlp), the machine's bound (forward+backward
+FLOPs from FlopCounterMode over the measured peak float32 GEMM rate), per-way peak memory,
+time per point on variable- vs fixed-size
 point batches, and compile time cold vs warm (two fresh processes, one inductor cache).
 Writes benchmarks/results/run_steps.json and run_steps.png.
 """
@@ -38,14 +40,14 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import torch  # noqa: E402
-from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
-from pimm_fn.bench import workloads as W  # noqa: E402
-from pimm_fn.bench import PeakMemory, batch_size, graph_breaks, machine_info, measure_compile_cache  # noqa: E402
-from pimm_fn.compile import compile_step  # noqa: E402
-
-from benchmarks import jax_ways as J  # noqa: E402  (imports jax only when the way runs)
+from benchmarks import jax_ways as J  # imports jax only when the way runs
+from pimm_fn.bench import PeakMemory, graph_breaks, machine_info, measure_compile_cache
+from pimm_fn.bench import workloads as W
+from pimm_fn.compile import compile_step
+from pimm_fn.data import count_batch
 
 WAYS = ("seed_eager", "seed_fused", "pimm_eager", "pimm_compiled", "compile_model", "compile_model_opt", "jax")
 LABELS = {
@@ -148,7 +150,7 @@ def interleave(ways, batches, rounds, steps, start):
                 w.run(b)
                 dt = (time.perf_counter() - t0) * 1e3
                 w.times_ms.append(dt)
-                _, pts = batch_size(b)
+                pts = count_batch(b).points
                 if pts:
                     w.ms_per_point.append(dt / pts)
         pos += steps
@@ -228,7 +230,8 @@ def summarize(ways):
     return {n: {"median_ms": statistics.median(w.times_ms), "min_ms": min(w.times_ms), "max_ms": max(w.times_ms),
                 "n": len(w.times_ms), "first_call_s": w.first_call_s,
                 "compile_count": None if w.counter is None else w.counter.compile_count,
-                "recompiles_after_warmup": None if w.counter is None else w.counter.compile_count - w.compiles_after_warmup,
+                "recompiles_after_warmup": (None if w.counter is None
+                                            else w.counter.compile_count - w.compiles_after_warmup),
                 "recompile_reasons": None if w.counter is None else list(w.counter.recompile_reasons),
                 "median_us_per_point": statistics.median(w.ms_per_point) * 1e3 if w.ms_per_point else None}
             for n, w in ways.items()}
@@ -273,7 +276,8 @@ def bench_model(name, args, gemm):
         s["min_time_ratio_to_seed"] = s["min_ms"] / base["min_ms"]
         s["x_of_bound"] = s["median_ms"] / bound_ms
         s["peak_memory_mib"] = None if mem.get(n) is None else mem[n] / 2**20
-    res = {"model": name, "notes": wl.notes, "load_avg_after": os.getloadavg(), "samples_per_step": batch_size(batches[0])[0],
+    res = {"model": name, "notes": wl.notes, "load_avg_after": os.getloadavg(),
+           "samples_per_step": count_batch(batches[0]).samples,
            "graph_break_count": gb_count, "break_reasons": gb_reasons,
            "flops_per_step": flops, "bound_ms": bound_ms, "ways": summary, "timed_seconds": timed_s,
            "memory_method": mem_method, "jax_loss_check": jax_check}
@@ -314,9 +318,10 @@ def jax_loss_check(wl, trainer, batches, steps=JAX_CHECK_STEPS) -> dict:
 def table(results):
     lines = []
     for r in results:
-        lines.append(f"\n{r['model']}  (fwd+bwd {r['flops_per_step'] / 1e9:.2f} GFLOP/step, bound {r['bound_ms']:.2f} ms;"
-                     f" graph breaks {r['graph_break_count']})")
-        lines.append(f"  {'way':<44}{'median ms':>10}{'min ms':>9}{'x seed':>8}{'speedup':>9}{'x bound':>9}{'peak MiB':>10}{'compiles':>9}")
+        lines.append(f"\n{r['model']}  (fwd+bwd {r['flops_per_step'] / 1e9:.2f} GFLOP/step, "
+                     f"bound {r['bound_ms']:.2f} ms; graph breaks {r['graph_break_count']})")
+        lines.append(f"  {'way':<44}{'median ms':>10}{'min ms':>9}{'x seed':>8}{'speedup':>9}{'x bound':>9}"
+                     f"{'peak MiB':>10}{'compiles':>9}")
         for n, s in r["ways"].items():
             mem = "-" if s["peak_memory_mib"] is None else f"{s['peak_memory_mib']:.1f}"
             cc = "-" if s["compile_count"] is None else f"{s['compile_count']}(+{s['recompiles_after_warmup']})"
@@ -324,7 +329,8 @@ def table(results):
                          f"{s['speedup_vs_seed']:>8.2f}x{s['x_of_bound']:>9.1f}{mem:>10}{cc:>9}")
         if r.get("jax_loss_check"):
             c = r["jax_loss_check"]
-            lines.append(f"  jax vs torch first loss: |diff| {c['abs_diff'][0]:.1e} ({'OK' if c['first_ok'] else 'MISMATCH'}, "
+            lines.append(f"  jax vs torch first loss: |diff| {c['abs_diff'][0]:.1e} "
+                         f"({'OK' if c['first_ok'] else 'MISMATCH'}, "
                          f"tol {c['tol']:.0e}); first {len(c['abs_diff'])} steps max |diff| {max(c['abs_diff']):.1e}")
         if "pimm_compiled_over_jax_time" in r:
             q = r["pimm_compiled_over_jax_time"]
@@ -445,7 +451,8 @@ def main(argv=None):
             r["compile_cache"] = measure_compile_cache(f"pimm_fn.bench.workloads:{r['model']}")
     out = {"command": "python benchmarks/run_steps.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": machine, "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-           "gemm": gemm, "gemm_jax": args.gemm_jax, "rounds": args.rounds, "steps_per_round": args.steps, "threads": torch.get_num_threads(),
+           "gemm": gemm, "gemm_jax": args.gemm_jax, "rounds": args.rounds, "steps_per_round": args.steps,
+           "threads": torch.get_num_threads(),
            "results": results, "fit_overhead": fit_res,
            "wall_seconds": time.perf_counter() - t_start}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -455,8 +462,10 @@ def main(argv=None):
     print(text)
     with open(args.out + ".txt", "w") as f:
         f.write(f"{out['command']}\n{machine['cpu']}, {machine['cpu_count']} cores, torch {machine['torch']}, "
-                f"{torch.get_num_threads()} torch thread(s), load avg before {load_before}, after {out['load_avg_after']}\npeak fp32 GEMM {gemm['best_gflops']:.0f} GFLOP/s"
-                + (f" (torch), {args.gemm_jax['best_gflops']:.0f} GFLOP/s (XLA, {machine['jax']})" if args.gemm_jax else "")
+                f"{torch.get_num_threads()} torch thread(s), load avg before {load_before}, "
+                f"after {out['load_avg_after']}\npeak fp32 GEMM {gemm['best_gflops']:.0f} GFLOP/s"
+                + (f" (torch), {args.gemm_jax['best_gflops']:.0f} GFLOP/s (XLA, {machine['jax']})"
+                   if args.gemm_jax else "")
                 + f"\n{text}\n")
     chart(results, args.out + ".png")
     print(f"wrote {args.out}.json/.txt/.png in {out['wall_seconds']:.0f} s")

@@ -33,11 +33,6 @@ class Event:
 
     step: int
 
-    @property
-    def iteration(self) -> int:
-        """The older name of ``position`` (kept so existing callbacks read on)."""
-        return self.position
-
 
 @_frozen
 class TrainStart(Event):
@@ -74,7 +69,8 @@ class EpochStart(Event):
 
 @_frozen
 class StepEnd(Event):
-    """One step has been applied; ``step`` counts it. ``position`` is its 0-based index in the epoch (``Cursor.position``).
+    """One step has been applied; ``step`` counts it; ``position`` is its 0-based index in the
+    epoch (``Cursor.position``).
 
     metrics: the step function's 0-dim tensors (read-only mapping).
     batch_size: samples in this batch on this rank; samples_seen: over all ranks, after it.
@@ -137,7 +133,6 @@ class StepBlock(Event):
     def positions(self) -> tuple:
         return tuple(r[1] for r in self.rows)
 
-    iterations = positions  # the older name
 
     @property
     def metrics(self) -> tuple:
@@ -276,4 +271,3 @@ class SaveNow:
     best: bool = False
 
 
-REQUESTS = (Stop, SaveNow)

@@ -72,14 +72,6 @@ def test_default_device_cpu_without_cuda_and_one_gpu_per_rank_with_it(monkeypatc
         assert D.default_device(1, 2) == torch.device("cpu")  # nccl cannot share one GPU between ranks
 
 
-def test_count_samples_rules():
-    assert D.count_samples({"coord": torch.zeros(10, 3), "offset": torch.tensor([4, 10])}) == 2
-    assert D.count_samples({"image": torch.zeros(5, 3, 2, 2), "label": torch.zeros(5)}) == 5
-    assert D.count_samples({"x": torch.zeros(6, 2)}) == 6
-    with pytest.raises(TypeError, match="count_fn"):
-        D.count_samples({"n": 3})
-
-
 class _Lin(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -1,16 +1,16 @@
 """fit / fit_epoch: the fold, the cursor, the event table, requests, guards and run switches."""
-import sys
 import os
+import sys
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _fit_helpers import PermLoader, Recorder, dataset, leaves_equal, make_state, step_fn  # noqa: E402
+from _fit_helpers import PermLoader, Recorder, dataset, leaves_equal, make_state, step_fn
 
-from pimm_fn import events as ev  # noqa: E402
-from pimm_fn.callbacks import Callback, on  # noqa: E402
-from pimm_fn.fit import StateMutationError, count_samples, fit, fit_epoch, resolve_iters_per_epoch  # noqa: E402
+from pimm_fn import events as ev
+from pimm_fn.callbacks import Callback, on
+from pimm_fn.fit import StateMutationError, fit, fit_epoch, resolve_iters_per_epoch
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,6 @@ def test_mid_epoch_resume_from_the_cursor_is_exact(data, four_epochs):
     out = fit(mid, loader, step_fn, epochs=4, callbacks=[rec])
     assert loader.calls[0] == (1, 3)
     assert rec.events[1].position == 3  # EpochStart at position 3
-    assert rec.events[1].iteration == 3  # the older name still reads
     assert [e.step for e in rec.events if isinstance(e, ev.StepEnd)][0] == 10
     assert leaves_equal(out.state, four_epochs[0].state)
 
@@ -168,12 +167,6 @@ def test_bad_loaders_raise_clear_errors(data):
     Counted.batch_size = 40
     with pytest.raises(ValueError, match="<= 0"):
         resolve_iters_per_epoch(Counted())
-
-
-def test_count_samples():
-    assert count_samples({"coord": torch.zeros(100, 3), "offset": torch.tensor([40, 100])}) == 2
-    assert count_samples((torch.zeros(5, 2), torch.zeros(5))) == 5
-    assert count_samples({"x": torch.zeros(7, 1)}) == 7
 
 
 def _table(data, requester, epochs=2):
@@ -358,7 +351,7 @@ class _Blocks(Callback):
 
 
 def test_step_blocks_carry_every_step_once_before_epoch_end_and_the_end(data):
-    blocks, plain, steps_seen = _Blocks(), Recorder(), []
+    blocks, plain = _Blocks(), Recorder()
     res = fit(make_state(), PermLoader(*data), step_fn, epochs=2, callbacks=[blocks, plain], block_seconds=3600)
     # one block per epoch (the interval never elapses), delivered just before EpochEnd
     assert [b[1] for b in blocks.blocks()] == [tuple(range(1, 7)), tuple(range(7, 13))]

@@ -8,7 +8,7 @@ fresh processes sharing one ``TORCHINDUCTOR_CACHE_DIR`` (cold, then warm from in
 FX-graph and AOTAutograd caches). :func:`bench_main` is the ``pimm-fn bench`` command.
 
 Rooms:
-    timing         benchmark_step, graph_breaks, batch_size
+    timing         benchmark_step, graph_breaks
     result         Workload, BenchResult, machine_info
     memory         PeakMemory
     compile_cache  measure_compile_cache, load_factory (fresh-process compile probes)
@@ -21,7 +21,7 @@ from .cli import BUILTIN_WORKLOADS, bench_main
 from .compile_cache import load_factory, measure_compile_cache
 from .memory import PeakMemory
 from .result import BenchResult, Workload, machine_info
-from .timing import batch_size, benchmark_step, graph_breaks
+from .timing import benchmark_step, graph_breaks
 
-__all__ = ["BenchResult", "Workload", "benchmark_step", "bench_main", "graph_breaks", "machine_info",
-           "measure_compile_cache", "batch_size"]
+__all__ = ["BUILTIN_WORKLOADS", "BenchResult", "PeakMemory", "Workload", "bench_main",
+           "benchmark_step", "graph_breaks", "load_factory", "machine_info", "measure_compile_cache"]

@@ -9,30 +9,10 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..compile import CompiledStep, as_step, compile_step, explain_step
+from ..data.count import count_batch
 from .compile_cache import measure_compile_cache
 from .memory import PeakMemory
 from .result import BenchResult, machine_info
-
-
-def batch_size(batch) -> tuple[float, Optional[float]]:
-    """(samples, points) of a batch; points is None unless it is a point batch.
-
-    A point batch is a dict with an ``offset`` tensor (Pointcept's cumulative counts):
-    samples = len(offset), points = offset[-1]. Otherwise samples is the leading size of
-    the first tensor found; a list/tuple of micro-batches sums its parts.
-    """
-    if isinstance(batch, dict) and isinstance(batch.get("offset"), torch.Tensor) and batch["offset"].numel():
-        return float(batch["offset"].numel()), float(batch["offset"][-1])
-    if isinstance(batch, (list, tuple)) and batch and all(isinstance(b, dict) for b in batch):
-        parts = [batch_size(b) for b in batch]
-        pts = [p for _, p in parts]
-        return sum(s for s, _ in parts), (None if any(p is None for p in pts) else sum(pts))
-    from ..tree import tree_leaves
-
-    for leaf in tree_leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return float(leaf.shape[0]), None
-    return 1.0, None
 
 
 def _device_of(state) -> torch.device:
@@ -57,7 +37,7 @@ def graph_breaks(step_fn, state, batch) -> tuple[int, list[str]]:
     """
     try:
         out = explain_step(step_fn, state, batch)
-    except Exception as e:  # noqa: BLE001 - reported in the result, not raised
+    except Exception as e:
         return 1, [f"explain failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"]
     return int(out.graph_break_count), [f"{b.kind}: {b.reason.splitlines()[0]} at {b.location} ({b.code})"
                                         for b in out.breaks]
@@ -113,7 +93,7 @@ def benchmark_step(
     factory: "module:function" (or "path.py:function") returning a :class:`Workload` that
         rebuilds this step; when given, compile time is also measured cold and warm in two
         fresh processes sharing one inductor cache (:func:`measure_compile_cache`).
-    size_fn: ``batch -> (samples, points or None)`` (default :func:`batch_size`).
+    size_fn: ``batch -> (samples, points or None)`` (default :func:`pimm_fn.data.count_batch`).
     If compiling fails (a graph break under fullgraph, an unsupported op), the error is in
     ``compile_error``, ``compiled`` is False and the step is timed eagerly instead.
     """
@@ -123,7 +103,7 @@ def benchmark_step(
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     device = _device_of(state)
-    size_fn = size_fn or batch_size
+    size_fn = size_fn or count_batch
     name = name or getattr(step_fn, "name", None) or getattr(step_fn, "__name__", "step")
 
     gb_count, gb_reasons = (None, [])
@@ -165,7 +145,7 @@ def benchmark_step(
     rounds = max(1, min(rounds, steps)) if eager_baseline else 1
     per_round = [steps // rounds + (1 if r < steps % rounds else 0) for r in range(rounds)]
     pos = 1 + warmup
-    for r, n in enumerate(per_round):
+    for n in per_round:
         cur = _time_steps(runner, cur, batches, n, pos, device, times)
         if eager_baseline:
             eager_state = _time_steps(eager_runner, eager_state, batches, n, pos, device, eager_times)

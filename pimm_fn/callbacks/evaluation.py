@@ -19,10 +19,10 @@ class Evaluate(Callback):
     """Every n steps and/or epochs, evaluate the current state and emit :class:`EvalEnd`.
 
     eval_fn: ``eval_fn(state, batch) -> dict``, called under ``torch.no_grad()``; it runs the
-        model functionally (``torch.func.functional_call(state.model, (state.params,
-        state.buffers), ...)`` in eval mode) and returns tensors: what ``metric`` reads
-        (e.g. ``pred`` and ``target``) and any 0-dim values (e.g. ``loss``), which are
-        averaged over the batches.
+        model functionally in eval mode (``torch.func.functional_call(state.eval_model,
+        (state.params, state.buffers), ...)``; :func:`pimm_fn.steps.common.eval_forward`) and
+        returns tensors: what ``metric`` reads (e.g. ``pred`` and ``target``) and any 0-dim
+        values (e.g. ``loss``), which are averaged over the batches.
     loader: the validation loader (an iterable, or an object with ``iter_epoch``).
     metric: e.g. :class:`pimm_fn.metrics.SegmentationMetric` or :class:`~pimm_fn.metrics.Accuracy`
         (summed over batches, then over ranks); None for scalar outputs only.

@@ -37,7 +37,8 @@ class ProgressBar(Callback):
     def on_train_start(self, event, state):
         tqdm = self._tqdm()
         self.epoch_bar = tqdm(total=event.epochs, initial=event.epoch, desc="epochs", unit="epoch", position=0,
-                              leave=self.leave, file=self.file, disable=self.disable, dynamic_ncols=True)
+                              leave=self.leave, file=self.file, disable=self.disable, dynamic_ncols=True,
+                              mininterval=self.refresh_seconds)
 
     def _due(self) -> bool:
         """Whether a refresh is due (at most one every refresh_seconds, epochs included:
@@ -55,7 +56,7 @@ class ProgressBar(Callback):
         if self.step_bar is None:
             self.step_bar = tqdm(total=event.iters_per_epoch, initial=event.position, desc=desc, unit="step",
                                  position=1 if self.epoch_bar is not None else 0, leave=False, file=self.file,
-                                 disable=self.disable, dynamic_ncols=True)
+                                 disable=self.disable, dynamic_ncols=True, mininterval=self.refresh_seconds)
         else:
             self.step_bar.reset(total=event.iters_per_epoch)
             # A new epoch shows its name at once when a refresh is due, even if its steps are

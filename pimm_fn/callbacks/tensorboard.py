@@ -1,19 +1,23 @@
 """TensorBoard event files from the step metrics, written off the training thread.
 
 The training thread hands buffered rows over (a list append per step, a queue put per
-``sync_every`` steps); one writer thread reads the numbers, encodes the events
-(:mod:`~pimm_fn.callbacks.event_file`) and writes them. A checkpoint waits until every
-row handed over before it is on the file, so a SIGKILL after a checkpoint loses no
-step the checkpoint holds.
+``sync_every`` steps); one writer thread reads the numbers, encodes the events with
+tensorboardX's protos and appends them to the file. A checkpoint waits until every row
+handed over before it is on the file, so a SIGKILL after a checkpoint loses no step the
+checkpoint holds.
 """
 from __future__ import annotations
 
 import collections
 import glob
 import os
+import socket
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
+
+from crc32c import crc32c
 
 from .logging import _Buffered, _numbers
 
@@ -21,8 +25,7 @@ __all__ = ["TensorBoard"]
 
 
 class TensorBoard(_Buffered):
-    """Scalars to TensorBoard event files in ``log_dir`` (tensorboardX's protos, the
-    :mod:`~pimm_fn.callbacks.event_file` writer).
+    """Scalars to TensorBoard event files in ``log_dir``.
 
     Steps are continuous across resume: a resumed run (state.step = s > 0) starts a new event
     file with a purge marker at step s + 1, so TensorBoard drops what a killed run wrote after
@@ -42,9 +45,8 @@ class TensorBoard(_Buffered):
         super().__init__(every_steps, sync_every)
         self.log_dir = str(log_dir)
         self.background = bool(background)
-        self._file = None
-        self._encoders: dict = {}  # tags -> ScalarEvents
-        self._row_tags: dict = {}  # metric keys -> tags
+        self._file: Optional[_EventFile] = None
+        self._events: dict = {}  # tags -> the Event refilled for each step with those tags
         self._worker: Optional[ThreadPoolExecutor] = None
         self._queued: collections.deque = collections.deque()
 
@@ -75,21 +77,22 @@ class TensorBoard(_Buffered):
         self._write_rows(_numbers(rows))
 
     def _open(self, event=None):
-        self._submit(self._open_now, event)
+        # Imported here, on the training thread: an import on the writer thread while the first
+        # step compiles can fail that compile (dynamo iterates sys.modules).
+        from tensorboardX.proto import event_pb2, summary_pb2  # noqa: F401
 
-    def _open_now(self, event=None):
+        self._submit(self._open_now, getattr(event, "step", 0) or 0)
+
+    def _open_now(self, step: int = 0):
         if self._file is not None:
             return
         from tensorboardX.proto.event_pb2 import Event, SessionLog
-
-        from .event_file import EventFile
 
         os.makedirs(self.log_dir, exist_ok=True)
         # TensorBoard reads a directory's files in name order; names carry the second, then
         # this suffix: nanoseconds keep restarts within one second in order.
         self._wait_past_existing()
-        self._file = EventFile(self.log_dir, f".{time.time_ns():020d}.{os.getpid()}")
-        step = getattr(event, "step", 0) or 0
+        self._file = _EventFile(self.log_dir, f".{time.time_ns():020d}.{os.getpid()}")
         if step > 0:
             self._file.write([Event(step=step + 1, wall_time=time.time(),
                                     session_log=SessionLog(status=SessionLog.START)).SerializeToString()])
@@ -109,21 +112,19 @@ class TensorBoard(_Buffered):
         self._write(step, {tag: float(value)})
 
     def _event(self, step: int, wall: float, tags: tuple, values) -> bytes:
-        enc = self._encoders.get(tags)
-        if enc is None:
-            from .event_file import ScalarEvents
-
-            if len(self._encoders) > 64:  # tags that change every step: do not hoard encoders
-                self._encoders.clear()
-            enc = self._encoders[tags] = ScalarEvents(tags)
-        data = enc.encode(int(step), wall, values)
-        if data is None:  # a value past float32 (the proto rounds it to inf) or a negative step
+        """The serialized ``Event(step, wall_time, summary=[Value(tag, simple_value)...])``."""
+        event = self._events.get(tags)
+        if event is None:
             from tensorboardX.proto.event_pb2 import Event
             from tensorboardX.proto.summary_pb2 import Summary
 
-            data = Event(step=int(step), wall_time=wall, summary=Summary(value=[
-                Summary.Value(tag=t, simple_value=v) for t, v in zip(tags, values)])).SerializeToString()
-        return data
+            if len(self._events) > 64:  # tags that change every step: do not hoard events
+                self._events.clear()
+            event = self._events[tags] = Event(summary=Summary(value=[Summary.Value(tag=t) for t in tags]))
+        event.step, event.wall_time = step, wall
+        for slot, v in zip(event.summary.value, values):
+            slot.simple_value = v
+        return event.SerializeToString()
 
     def _write(self, step, scalars):
         if scalars:
@@ -131,25 +132,14 @@ class TensorBoard(_Buffered):
 
     def _write_now(self, step, scalars, wall):
         self._open_now()
-        self._file.write([self._event(step, wall, tuple(scalars), list(scalars.values()))])
+        self._file.write([self._event(int(step), wall, tuple(scalars), scalars.values())])
 
     def _write_rows(self, rows):
         # One event per step holding all its scalars (TensorBoard reads each value under its
-        # tag as if written alone), encoded from the floats, one write for the block.
+        # tag as if written alone), one write for the block.
         self._open_now()
         wall = time.time()
-        out = []
-        row_tags = self._row_tags
-        for step, nums in rows:
-            if not nums:
-                continue
-            keys = tuple(nums)
-            tags = row_tags.get(keys)
-            if tags is None:
-                if len(row_tags) > 64:
-                    row_tags.clear()
-                tags = row_tags[keys] = tuple(self._tag(k) for k in keys)
-            out.append(self._event(step, wall, tags, list(nums.values())))
+        out = [self._event(step, wall, tuple(map(self._tag, nums)), nums.values()) for step, nums in rows if nums]
         if out:
             self._file.write(out)
 
@@ -179,3 +169,41 @@ class TensorBoard(_Buffered):
 
     def on_already_complete(self, event, state):
         pass  # nothing to write: do not open a file
+
+
+class _EventFile:
+    """An append-only event file, named as tensorboardX names it
+    (``events.out.tfevents.<unix seconds>.<host><suffix>``), starting with the file-version
+    event TensorBoard looks for. Each event is a TFRecord: its length (uint64), the length's
+    masked crc32c, the bytes, their masked crc32c. ``flush`` hands the bytes to the OS (a
+    SIGKILL loses nothing after it) without an fsync, which would block a checkpoint."""
+
+    def __init__(self, log_dir: str, suffix: str):
+        from tensorboardX.proto.event_pb2 import Event
+
+        self.path = os.path.join(log_dir, f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}{suffix}")
+        self._f = open(self.path, "ab")
+        self.write([Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString()])
+
+    def write(self, events) -> None:
+        """Append serialized events, one ``write`` for all of them."""
+        self._f.write(b"".join(map(_record, events)))
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+
+
+def _record(data: bytes) -> bytes:
+    head = struct.pack("<Q", len(data))
+    return head + struct.pack("<I", _masked_crc(head)) + data + struct.pack("<I", _masked_crc(data))
+
+
+def _masked_crc(data: bytes) -> int:
+    x = crc32c(data)
+    return (((x >> 15) | (x << 17)) + 0xA282EAD8) & 0xFFFFFFFF

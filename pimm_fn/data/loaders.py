@@ -6,7 +6,8 @@ The protocol (what ``fit`` relies on):
                                                           ``start`` on, exactly the rest
     len(loader)                                           iters per epoch (per rank)
     loader.batch_size, loader.world_size                  per-rank batch, ranks
-    loader.samples_in(batch) -> int                       per-rank samples in a batch
+    loader.samples_in(batch) -> int                       per-rank samples in a batch (optional;
+                                                          default data.count_batch)
     loader.state_dict() / loader.load_state_dict(sd)      worker state (iterable data)
 
 Map-style data: the order is :func:`~pimm_fn.data.sampler.epoch_order` and random
@@ -26,7 +27,7 @@ import functools
 import math
 import random
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
@@ -34,6 +35,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from .collate import PointCollate, collate
+from .count import count_batch
 from .sampler import ResumableSampler, samples_per_rank
 
 
@@ -70,37 +72,6 @@ def seed_worker(worker_id: int, *, num_workers: int, rank: int, seed: int) -> No
     torch.manual_seed(s)
     np.random.seed(s % 2**32)
     random.seed(s)
-
-
-def samples_in(batch: Any) -> int:
-    """Per-rank number of samples in a batch: len(offset) for point batches, else the
-    leading dim of the first tensor found (``image`` first for image batches)."""
-    if isinstance(batch, Mapping):
-        if "offset" in batch:
-            return int(batch["offset"].shape[0])
-        if "image" in batch:
-            return int(batch["image"].shape[0])
-        for v in batch.values():
-            n = _first_leading_dim(v)
-            if n is not None:
-                return n
-    n = _first_leading_dim(batch)
-    if n is None:
-        raise TypeError(f"cannot count the samples of a {type(batch).__name__} batch")
-    return n
-
-
-def _first_leading_dim(x) -> Optional[int]:
-    if isinstance(x, torch.Tensor):
-        return int(x.shape[0]) if x.dim() else 1
-    if isinstance(x, Mapping):
-        return samples_in(x)
-    if isinstance(x, Sequence) and not isinstance(x, str):
-        for v in x:
-            n = _first_leading_dim(v)
-            if n is not None:
-                return n
-    return None
 
 
 def dataset_name(dataset, name: Optional[str] = None) -> str:
@@ -230,7 +201,7 @@ class EpochLoader:
         return self._len
 
     def samples_in(self, batch) -> int:
-        return samples_in(batch)
+        return count_batch(batch).samples
 
     def iter_epoch(self, epoch: int, start: int = 0) -> Iterator:
         """Yield the batches of ``epoch`` from batch index ``start`` to ``len(self)``."""

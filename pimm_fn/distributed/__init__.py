@@ -4,7 +4,7 @@ Replaces Pointcept's parallel context, DDP wrapping and comm helpers. Rooms:
 
     runtime      init_from_env, choose_backend, default_device, shutdown, world, is_main, barrier, broadcast_object,
                  on_main, guard, DistContext, PeerLostError
-    collectives  grad_transform, all_reduce_gradients, reduce_metrics, count_samples
+    collectives  grad_transform, all_reduce_gradients, reduce_metrics
                  (traceable, inside the pure step)
     host         global_count, assert_in_sync, dist_meta, reshard_cursor
     (data_parallel and wrap_step build steps: they live in pimm_fn.steps.parallel, one
@@ -32,11 +32,33 @@ In more detail:
 
 See docs/distributed.md for the launch contract and the plan past one machine.
 """
-from .collectives import (COUNT_KEY, SAMPLES_KEY, _bucketed_all_reduce, all_reduce_gradients, count_samples,
-                          grad_transform, reduce_across_ranks_op, reduce_metrics)
+from .collectives import (
+    COUNT_KEY,
+    SAMPLES_KEY,
+    all_reduce_gradients,
+    grad_transform,
+    reduce_across_ranks_op,
+    reduce_metrics,
+)
+from .collectives import _bucketed_all_reduce as _bucketed_all_reduce  # private: for steps.parallel and sharding
 from .host import assert_in_sync, dist_meta, global_count, reshard_cursor
-from .runtime import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, DistContext, PeerLostError, RankDivergenceError, barrier,
-                      broadcast_object, choose_backend, default_device, guard, init_from_env, is_main, on_main, shutdown, world)
+from .runtime import (
+    DEFAULT_TIMEOUT_S,
+    TIMEOUT_ENV,
+    DistContext,
+    PeerLostError,
+    RankDivergenceError,
+    barrier,
+    broadcast_object,
+    choose_backend,
+    default_device,
+    guard,
+    init_from_env,
+    is_main,
+    on_main,
+    shutdown,
+    world,
+)
 
 __all__ = [
     "DistContext",
@@ -60,6 +82,10 @@ __all__ = [
     "dist_meta",
     "reshard_cursor",
     "DEFAULT_TIMEOUT_S",
+    "TIMEOUT_ENV",
+    "COUNT_KEY",
+    "SAMPLES_KEY",
+    "reduce_across_ranks_op",
 ]
 
 # Step builders live one layer up (they import compile and steps.supervised); these

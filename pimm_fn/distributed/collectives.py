@@ -3,7 +3,7 @@
 DDP's autograd hooks do not fire under ``torch.func`` / ``torch.autograd.grad`` over
 ``functional_call``, so gradients are reduced explicitly with
 ``torch.distributed._functional_collectives`` (they compile fullgraph on gloo). Also the
-cross-rank metric reduction (Pointcept's key rules) and the per-batch sample count.
+cross-rank metric reduction (Pointcept's key rules).
 """
 from __future__ import annotations
 
@@ -124,31 +124,3 @@ def reduce_metrics(metrics: Mapping[str, torch.Tensor], ctx: Optional[DistContex
         for k, v in zip(ext_keys, maxes):
             out[k] = v if ops[k] == "max" else -v
     return out, sums[len(sum_keys):]
-
-
-def _leading(x) -> Optional[int]:
-    if isinstance(x, torch.Tensor) and x.dim() > 0:
-        return x.shape[0]
-    if isinstance(x, Mapping):
-        for v in x.values():
-            n = _leading(v)
-            if n is not None:
-                return n
-    if isinstance(x, (list, tuple)) and x and not isinstance(x[0], (int, float)):
-        return _leading(x[0])
-    return None
-
-
-def count_samples(batch) -> int:
-    """Samples in one per-rank batch (traceable, from shapes): ``len(offset)`` for point
-    batches, else the leading dim of ``image`` or of the first tensor found."""
-    if isinstance(batch, Mapping):
-        for key in ("offset", "image"):
-            if isinstance(batch.get(key), torch.Tensor):
-                return batch[key].shape[0]
-    n = _leading(batch)
-    if n is None:
-        raise TypeError(
-            f"cannot count the samples of a {type(batch).__name__} batch; pass count_fn=batch -> int"
-        )
-    return n

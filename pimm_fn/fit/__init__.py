@@ -14,7 +14,7 @@ docs/fit.md.
 from .dispatch import StateMutationError
 from .history import History
 from .loop import FitResult, fit, fit_epoch
-from .source import count_samples, resolve_iters_per_epoch
+from .source import resolve_iters_per_epoch
 
 __all__ = [
     "FitResult",
@@ -23,5 +23,4 @@ __all__ = [
     "fit",
     "fit_epoch",
     "resolve_iters_per_epoch",
-    "count_samples",
 ]

@@ -3,6 +3,7 @@ callbacks leave the state alone."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import warnings
 from typing import Callable, Optional
 
@@ -15,6 +16,7 @@ from ..callbacks.base import callback_name, handles
 __all__ = ["Dispatcher", "StateMutationError"]
 
 _STEP_EVENTS = (ev.StepEnd, ev.StepBlock)
+_NULL = contextlib.nullcontext()
 
 
 class StateMutationError(RuntimeError):
@@ -63,13 +65,15 @@ class Dispatcher:
         self.rows = []
 
     # ----- tracing
-    def _tracing(self) -> bool:
-        return self.trace is True or (self.trace is None and _profiling())
+    def span(self, name: str):
+        """A profiler span named ``name`` while tracing (see ``fit(trace=...)``), else nothing."""
+        if self.trace is True or (self.trace is None and _profiling()):
+            return torch.profiler.record_function(name)
+        return _NULL
 
     def instant(self, name):
-        if self._tracing():
-            with torch.profiler.record_function(f"instant.{name}"):
-                pass
+        with self.span(f"instant.{name}"):
+            pass
 
     # ----- dispatch
     def _snapshot(self, state):
@@ -100,12 +104,9 @@ class Dispatcher:
         changed += [a[0] for a, b in zip(now[2:], snap[2:]) if a != b]
         return changed or ["the state"]
 
-    def _call(self, cb, event, state, snap, tracing=False):
+    def _call(self, cb, event, state, snap):
         try:
-            if tracing:
-                with torch.profiler.record_function(f"callback.{self.names.get(id(cb))}.{type(event).__name__}"):
-                    out = cb(event, state)
-            else:
+            with self.span(f"callback.{self.names.get(id(cb))}.{type(event).__name__}"):
                 out = cb(event, state)
         except attrs.exceptions.FrozenInstanceError as err:
             name = self.names.get(id(cb)) or callback_name(cb)
@@ -143,7 +144,6 @@ class Dispatcher:
         if not first:
             return
         snap = self._snapshot(state)
-        tracing = self._tracing()
         queue = collections.deque([event])
         saves: list = []
         ran = set()
@@ -152,7 +152,7 @@ class Dispatcher:
             for cb in (first if e is event else self.callbacks):
                 if snap is not None:
                     ran.add(cb)
-                out = self._call(cb, e, state, snap, tracing)
+                out = self._call(cb, e, state, snap)
                 if out is None:
                     continue
                 for item in out if isinstance(out, (list, tuple)) else (out,):
@@ -184,11 +184,10 @@ class Dispatcher:
             reasons=tuple(dict.fromkeys(s.reason for s in saves)), best=any(s.best for s in saves),
         )
         queue = collections.deque([req])
-        tracing = self._tracing()
         while queue:
             e = queue.popleft()
             for cb in self.callbacks:
-                out = self._call(cb, e, state, snap, tracing)
+                out = self._call(cb, e, state, snap)
                 for item in out if isinstance(out, (list, tuple)) else (out,):
                     if isinstance(item, ev.Event):
                         queue.append(item)
@@ -210,7 +209,7 @@ class Dispatcher:
         if self.rows:
             try:
                 self.flush_block(state)
-            except Exception as err:  # noqa: BLE001 - the terminal event must still go out
+            except Exception as err:  # the terminal event must still go out
                 errors.append((self.block_callbacks[0], err))
         queue = collections.deque([event])
         while queue:
@@ -218,7 +217,7 @@ class Dispatcher:
             for cb in self.callbacks:
                 try:
                     out = cb(e, state)
-                except Exception as err:  # noqa: BLE001 - the others still need to close
+                except Exception as err:  # the other callbacks still need to close
                     errors.append((cb, err))
                     continue
                 for item in out if isinstance(out, (list, tuple)) else (out,):

@@ -1,7 +1,6 @@
 """History: what a run's steps reported, kept as tensors until read."""
 from __future__ import annotations
 
-import operator
 from typing import Any, Optional
 
 import torch
@@ -33,41 +32,25 @@ class History:
         if not self._pending:
             self._pending_epoch = None
             return None
-        metrics = self._stack_uniform()
-        if metrics is not None:
-            return self._record(metrics)
-        keys: dict = {}
+        columns: dict = {}
         for _, m in self._pending:
-            for k in m:
-                keys.setdefault(k, None)
+            for k, v in m.items():
+                columns.setdefault(k, []).append(v)
         metrics = {}
-        for k in keys:
-            vals = [m[k] for _, m in self._pending if k in m and _scalar(m[k])]
-            if vals:
-                metrics[k] = torch.stack([
-                    v.detach() if isinstance(v, torch.Tensor) and v.dim() == 0 else torch.as_tensor(v).detach().reshape(())
-                    for v in vals
-                ])
+        for k, values in columns.items():
+            try:
+                column = torch.stack(values)  # a step's metrics are 0-dim tensors
+            except (TypeError, RuntimeError):  # numbers, or tensors of different shapes
+                column = None
+            if column is None or column.numel() != len(values):
+                # one-element values only; larger tensors are left out
+                values = [torch.as_tensor(v).reshape(()) for v in values
+                          if isinstance(v, (int, float)) or isinstance(v, torch.Tensor) and v.numel() == 1]
+                if not values:
+                    continue
+                column = torch.stack(values)
+            metrics[k] = column.detach().reshape(-1)
         return self._record(metrics)
-
-    def _stack_uniform(self) -> Optional[dict]:
-        """The common case in one ``torch.stack`` per metric: every step reported the same
-        0-dim tensors (a compiled step always does). None when that does not hold."""
-        first = self._pending[0][1]
-        keys = tuple(first)
-        if not keys or not all(isinstance(first[k], torch.Tensor) and first[k].dim() == 0 for k in keys):
-            return None
-        n = len(keys)
-        for _, m in self._pending:
-            if len(m) != n:
-                return None
-        try:
-            # Columns in C (itemgetter + zip), then one stack per metric.
-            get = operator.itemgetter(*keys) if n > 1 else (lambda m, k=keys[0]: (m[k],))
-            columns = zip(*[get(m) for _, m in self._pending])
-            return {k: torch.stack(col).detach() for k, col in zip(keys, columns)}
-        except (KeyError, RuntimeError, TypeError):
-            return None
 
     def _record(self, metrics: dict) -> dict:
         rec = {
@@ -160,6 +143,3 @@ class History:
     def __repr__(self) -> str:
         return f"History(steps={len(self)}, epochs={self.epochs}, metrics={sorted(self.keys())})"
 
-
-def _scalar(v) -> bool:
-    return isinstance(v, torch.Tensor) and v.numel() == 1 or isinstance(v, (int, float, bool))

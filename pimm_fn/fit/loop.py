@@ -9,7 +9,6 @@ import attrs
 import torch
 
 from .. import events as ev
-from ..state import advance_cursor
 from .dispatch import Dispatcher
 from .history import History
 from .source import _Source
@@ -107,17 +106,12 @@ class _Run(Dispatcher):
         self.block_epoch = epoch
         perf_counter = time.perf_counter
         next_block = perf_counter() + self.block_seconds
-        tracing = self._tracing()
+        span = self.span
         try:
-            # The per-step path does only what a step needs: at ~0.5 ms a step, every
-            # microsecond here is 0.2% of the run, and Python run between compiled steps is
-            # slower than its microbenchmark (cold caches). Loggers get the steps in blocks.
+            # Loggers get the steps in blocks: a step costs them a list append.
             t0 = perf_counter()
             while pos < ipe:
-                if tracing:
-                    with torch.profiler.record_function("data_fetch"):
-                        batch = next(it, _END)
-                else:
+                with span("data_fetch"):
                     batch = next(it, _END)
                 if batch is _END:
                     exhausted = True
@@ -127,21 +121,13 @@ class _Run(Dispatcher):
                     self._check_first_batch(batch)
                 t1 = perf_counter()
                 state = self.state
-                if tracing:
-                    with torch.profiler.record_function("step"):
-                        new, metrics = step_fn(state, batch)
-                else:
+                with span("step"):
                     new, metrics = step_fn(state, batch)
                 n = samples_in(batch)  # this rank's samples (the event's batch_size)
-                if "samples" in metrics:
-                    # A data-parallel step counts the real samples of all ranks (per-rank
-                    # batches may differ); reading it is one host sync, already paid by the
-                    # step's collectives.
-                    seen = int(metrics["samples"])
-                else:
-                    seen = n * world
                 cursor = state.cursor
-                new = advance_cursor(new, cursor, pos + 1, cursor.samples_seen + seen)
+                # This rank's count times the ranks (the sampler gives every rank an equal share):
+                # reading the step's all-reduced count instead would sync the device every step.
+                new = new.replace(cursor=cursor.replace(position=pos + 1, samples_seen=cursor.samples_seen + n * world))
                 # One assignment: an interrupt lands either before the step or after it, never between.
                 self.state, self.step = new, self.step + 1
                 t2 = perf_counter()
@@ -162,7 +148,6 @@ class _Run(Dispatcher):
                         new,
                         targets=step_callbacks,
                     )
-                    tracing = self._tracing()
                     if rows is not None:
                         rows = self.rows  # a save it caused delivered the block
                 pos += 1
@@ -171,7 +156,6 @@ class _Run(Dispatcher):
                 if t2 >= next_block and rows:
                     self.flush_block(self.state)
                     rows = self.rows
-                    tracing = self._tracing()
                     next_block = perf_counter() + self.block_seconds
                 t0 = t2
         finally:
@@ -305,7 +289,7 @@ def fit(
             )
             while run.stop_reason is None and run.state.cursor.epoch < epochs:
                 run.run_epoch()
-        except BaseException as err:  # noqa: BLE001 - every exit path gets its terminal event
+        except BaseException as err:  # every exit path gets its terminal event
             run._fail_or_interrupt(err)
             if isinstance(err, KeyboardInterrupt):
                 return FitResult(run.state, run.history, "interrupted")
@@ -348,7 +332,7 @@ def fit_epoch(
         done = run.run_epoch()
         if run.rows:  # stopped mid-epoch: no EpochEnd delivered the last steps
             run.flush_block(run.state)
-    except BaseException as err:  # noqa: BLE001
+    except BaseException as err:
         run._fail_or_interrupt(err)
         if isinstance(err, KeyboardInterrupt):
             return FitResult(run.state, run.history, "interrupted")

@@ -5,33 +5,7 @@ import collections.abc
 import itertools
 from typing import Iterable, Iterator, Optional
 
-import torch
-
-__all__ = ["count_samples", "resolve_iters_per_epoch"]
-
-
-def count_samples(batch) -> int:
-    """Samples in a batch on this rank: ``len(offset)`` for point batches, else the leading dim."""
-    if isinstance(batch, dict):
-        offset = batch.get("offset")
-        if offset is not None:
-            return len(offset)
-        for v in batch.values():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                return v.shape[0]
-        for v in batch.values():
-            try:
-                return int(len(v))
-            except TypeError:
-                continue
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() > 0 else 1
-    if isinstance(batch, (tuple, list)) and batch:
-        return count_samples(batch[0])
-    try:
-        return int(len(batch))
-    except TypeError:
-        return 1
+__all__ = ["resolve_iters_per_epoch"]
 
 
 def resolve_iters_per_epoch(loader, iters_per_epoch: Optional[int] = None) -> int:
@@ -79,6 +53,14 @@ def resolve_iters_per_epoch(loader, iters_per_epoch: Optional[int] = None) -> in
     return n
 
 
+def _samples(batch) -> int:
+    # Imported here: importing pimm_fn.data loads the data stack, which `import pimm_fn`
+    # (fit included) must not.
+    from ..data.count import count_batch
+
+    return count_batch(batch).samples
+
+
 class _Source:
     """Adapts the loader protocol (``iter_epoch``) and plain re-iterables to one interface."""
 
@@ -98,7 +80,7 @@ class _Source:
         self.iters_per_epoch = resolve_iters_per_epoch(loader, iters_per_epoch)
         self.world_size = max(1, int(getattr(loader, "world_size", 1) or 1))
         samples_in = getattr(loader, "samples_in", None)
-        self.samples_in = samples_in if callable(samples_in) else count_samples
+        self.samples_in = samples_in if callable(samples_in) else _samples
 
     def iter_epoch(self, epoch: int, start: int) -> Iterator:
         if self.protocol:
@@ -116,5 +98,3 @@ class _Source:
                 pass
         return it
 
-
-# --------------------------------------------------------------------------- run

@@ -12,8 +12,15 @@ from typing import Callable, Optional
 import torch
 
 from ..compile import Step, as_step
-from ..distributed import (SAMPLES_KEY, DistContext, _bucketed_all_reduce, count_samples, grad_transform,
-                           reduce_metrics, world)
+from ..data.count import count_batch
+from ..distributed import (
+    SAMPLES_KEY,
+    DistContext,
+    _bucketed_all_reduce,
+    grad_transform,
+    reduce_metrics,
+    world,
+)
 from .supervised import supervised
 
 
@@ -30,15 +37,15 @@ def wrap_step(step, ctx: Optional[DistContext] = None, *, sync_buffers: bool = F
         for how this differs from SyncBatchNorm). Integer buffers (num_batches_tracked)
         advance identically on every rank and are left alone.
     reduce: reduce the metrics over ranks (seed rules); otherwise they stay per rank.
-    count_fn: ``batch -> int`` per-rank samples (default :func:`count_samples`; summed over
-        the micro-batches when ``accumulate > 1``).
+    count_fn: ``batch -> int`` per-rank samples (default: the ``samples`` of
+        :func:`pimm_fn.data.count_batch`; summed over the micro-batches when ``accumulate > 1``).
     Adds ``metrics["samples"]``: the real number of samples this step consumed over all
         ranks (an all-reduced count, so ranks with unequal batches are counted right).
     """
     step = as_step(step)
     ctx = world() if ctx is None else ctx
     core = step.core
-    counter = count_fn or count_samples
+    counter = count_fn or (lambda batch: count_batch(batch).samples)
 
     def local_count(batch) -> torch.Tensor:
         parts = batch if accumulate > 1 else (batch,)
