@@ -23,9 +23,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
-from pimm_fn.bench import workloads as W  # noqa: E402
-from pimm_fn.compile import compile_step  # noqa: E402
-from pimm_fn.models import ImageClassifier  # noqa: E402
+from pimm_fn.bench import workloads as W
+from pimm_fn.compile import compile_step
+from pimm_fn.models import ImageClassifier
 
 
 def main(argv=None):

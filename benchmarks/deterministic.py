@@ -36,13 +36,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pimm_fn.bench.workloads import CLIP, POINT_CLASSES, make_optimizer, point_batches  # noqa: E402
-from pimm_fn.bench import machine_info  # noqa: E402
-from pimm_fn.compile import compile_step  # noqa: E402
-from pimm_fn.models import PointSegNet  # noqa: E402
-from pimm_fn.state import TrainState  # noqa: E402
-from pimm_fn.steps.supervised import supervised  # noqa: E402
-from pimm_fn.tree import tree_leaves  # noqa: E402
+from pimm_fn.bench import machine_info
+from pimm_fn.bench.workloads import CLIP, POINT_CLASSES, make_optimizer, point_batches
+from pimm_fn.compile import compile_step
+from pimm_fn.models import PointSegNet
+from pimm_fn.state import TrainState
+from pimm_fn.steps.supervised import supervised
+from pimm_fn.tree import tree_leaves
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     print(f"PointSegNet(3, 13, width=32, strides=(2, 4, 8)), {len(batches)} batches of "
           f"{min(points)}-{max(points)} points, {args.threads} threads, {rounds} rounds")
     print(f"before:         {load_before}\nafter eager:    {uptimes['eager']}\nafter compiled: {load_after}")
-    print(f"| way | median ms/step | min ms/step | vs default | bitwise repeatable | compiles |")
+    print("| way | median ms/step | min ms/step | vs default | bitwise repeatable | compiles |")
     print("|---|---|---|---|---|---|")
     for way, row in rows.items():
         cost = f"{row['cost_vs_default']:.2f}x" if "cost_vs_default" in row else "1.00x"
@@ -140,7 +140,8 @@ def main(argv=None) -> int:
         "command": "python benchmarks/deterministic.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "model": "pimm_fn.models.PointSegNet(3, 13, width=32, strides=(2, 4, 8))",
         "points_per_batch": points, "threads": args.threads, "rounds": rounds,
-        "uptime_before": load_before, "uptime_after_eager": uptimes["eager"], "uptime_after": load_after, "wall_s": time.perf_counter() - t_start,
+        "uptime_before": load_before, "uptime_after_eager": uptimes["eager"], "uptime_after": load_after,
+        "wall_s": time.perf_counter() - t_start,
         "machine": machine_info(), "results": rows,
     }
     out = args.out or RESULTS / f"deterministic_{args.threads}threads.json"

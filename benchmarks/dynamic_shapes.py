@@ -40,7 +40,7 @@ def main():
         torch._dynamo.reset()
         counter = {"n": 0}
 
-        def backend(gm, example_inputs):
+        def backend(gm, example_inputs, counter=counter):
             counter["n"] += 1
             from torch._inductor.compile_fx import compile_fx
 

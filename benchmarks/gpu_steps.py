@@ -38,11 +38,11 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import torch  # noqa: E402
+import torch
 
-from pimm_fn.bench import PeakMemory, machine_info  # noqa: E402
-from pimm_fn.bench import workloads as W  # noqa: E402
-from pimm_fn.compile import compile_step  # noqa: E402
+from pimm_fn.bench import PeakMemory, machine_info
+from pimm_fn.bench import workloads as W
+from pimm_fn.compile import compile_step
 
 WAYS = ("seed_eager", "compile_model", "pimm_compiled", "pimm_graphs")
 STATIC = ("mlp", "cnn")  # batch shapes fixed: CUDA graphs apply
@@ -126,7 +126,8 @@ def table(results) -> str:
             ratio = "-" if r["vs_seed_eager"] is None else f"{r['vs_seed_eager']:.2f}"
             peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
             rec = r.get("recompiles_in_timing", "-")
-            lines.append(f"{model:<9} {way:<14} {r['step_ms']:>9.3f} {ratio:>7} {r['first_call_s']:>8.1f} {peak:>9} {rec!s:>6}")
+            lines.append(f"{model:<9} {way:<14} {r['step_ms']:>9.3f} {ratio:>7} {r['first_call_s']:>8.1f} "
+                         f"{peak:>9} {rec!s:>6}")
     return "\n".join(lines)
 
 
@@ -163,9 +164,10 @@ def main(argv=None) -> int:
         print(f"[{name}] {W.MODELS[name][1]} on {device}", flush=True)
         try:
             results[name] = bench_model(name, args, device)
-        except Exception as err:  # noqa: BLE001 - one model failing must not hide the others
+        except Exception as err:  # one model failing must not hide the others
             traceback.print_exc()
-            results[name] = {"error": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"}
+            first_line = str(err).splitlines()[0][:200] if str(err) else ""
+            results[name] = {"error": f"failed: {type(err).__name__}: {first_line}"}
             failed = True
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

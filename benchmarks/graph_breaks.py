@@ -34,14 +34,14 @@ import warnings
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import torch  # noqa: E402
+import torch
 
-from pimm_fn.bench import machine_info  # noqa: E402
-from pimm_fn.bench import workloads as W  # noqa: E402
-from pimm_fn.compile import compile_step  # noqa: E402
-from pimm_fn.models.ptv3 import PTv3  # noqa: E402
-from pimm_fn.state import TrainState  # noqa: E402
-from pimm_fn.steps.supervised import supervised  # noqa: E402
+from pimm_fn.bench import machine_info
+from pimm_fn.bench import workloads as W
+from pimm_fn.compile import compile_step
+from pimm_fn.models.ptv3 import PTv3
+from pimm_fn.state import TrainState
+from pimm_fn.steps.supervised import supervised
 
 
 class PTv3CloudContext(PTv3):
@@ -111,7 +111,7 @@ def bench_model(name: str, raw: list, rounds: int, ways_wanted: tuple) -> dict:
             t = time.perf_counter()
             try:
                 first_loss[way] = float(fn(batches[0]))
-            except Exception as err:  # noqa: BLE001 - a model with breaks does not compile whole
+            except Exception as err:  # a model with breaks does not compile whole
                 if way != "pimm_fullgraph":
                     raise
                 failed = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
@@ -165,7 +165,8 @@ def main(argv=None):
     for name in args.models.split(","):
         r = bench_model(name, raw, args.rounds, tuple(args.ways.split(",")))
         results["models"].append(r)
-        print(f"\n{name}: {r['batches']} LiDAR batches ({min(r['points_per_batch'])}-{max(r['points_per_batch'])} points)")
+        print(f"\n{name}: {r['batches']} LiDAR batches "
+              f"({min(r['points_per_batch'])}-{max(r['points_per_batch'])} points)")
         if r["fullgraph_error"]:
             print(f"  pimm_fullgraph         does not compile: {r['fullgraph_error'][:150]}")
         for way in ("pointcept_eager", "pimm_eager", "pimm_fullgraph_false", "pimm_fullgraph"):

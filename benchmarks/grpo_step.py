@@ -32,10 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pimm_fn import optim, rl  # noqa: E402
-from pimm_fn.compile import compile_step  # noqa: E402
-from pimm_fn.state import TrainState  # noqa: E402
-from pimm_fn.steps.grpo import Rollout, grpo  # noqa: E402
+from pimm_fn import optim, rl
+from pimm_fn.compile import compile_step
+from pimm_fn.state import TrainState
+from pimm_fn.steps.grpo import Rollout, grpo
 
 OBS, ACT, HID = 16, 8, 64
 

@@ -96,7 +96,8 @@ def peak_gemm_gflops(n=2048, reps=6) -> dict:
         mm(a, b).block_until_ready()
         times.append(time.perf_counter() - t0)
     flops = 2.0 * n**3
-    return {"n": n, "best_gflops": flops / min(times) / 1e9, "median_gflops": flops / sorted(times)[len(times) // 2] / 1e9}
+    return {"n": n, "best_gflops": flops / min(times) / 1e9,
+            "median_gflops": flops / sorted(times)[len(times) // 2] / 1e9}
 
 
 # --------------------------------------------------------------------------------------
@@ -243,7 +244,8 @@ def cnn_model(module) -> JaxModel:
             convs.append((i, layer.stride[0]))
     params, stats = {}, {}
     for k, (i, _) in enumerate(convs):
-        params[f"conv{k}"] = {"kernel": np.ascontiguousarray(sd[f"body.{i}.weight"].transpose(2, 3, 1, 0))}  # OIHW -> HWIO
+        # OIHW -> HWIO
+        params[f"conv{k}"] = {"kernel": np.ascontiguousarray(sd[f"body.{i}.weight"].transpose(2, 3, 1, 0))}
         params[f"bn{k}"], stats[f"bn{k}"] = _bn_params(sd, f"body.{i + 1}")
     params["head"] = _linear_params(sd, "head")
 

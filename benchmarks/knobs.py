@@ -20,11 +20,11 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import torch  # noqa: E402
+import torch
 
-from pimm_fn.bench import workloads as W  # noqa: E402
-from pimm_fn.bench import machine_info  # noqa: E402
-from pimm_fn.compile import compile_step  # noqa: E402
+from pimm_fn.bench import machine_info
+from pimm_fn.bench import workloads as W
+from pimm_fn.compile import compile_step
 
 KNOBS = {
     "default": {},

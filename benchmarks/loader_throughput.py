@@ -26,11 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from pimm_fn.bench import machine_info  # noqa: E402
-from pimm_fn.data import LArTPCEvents, LidarBlocks, build_train_loader  # noqa: E402
-from pimm_fn.data.sampler import ResumableSampler, epoch_order  # noqa: E402
+from pimm_fn.bench import machine_info
+from pimm_fn.data import LArTPCEvents, LidarBlocks, build_train_loader
+from pimm_fn.data.sampler import ResumableSampler, epoch_order
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
 
@@ -52,7 +52,7 @@ def lidar(rounds: int, batch_size: int) -> dict:
     data = LidarBlocks("train")
     loaders = {w: build_train_loader(data, batch_size=batch_size, seed=0, transform=transform(0.25, "train"),
                                      num_workers=w) for w in (0, 2)}
-    for w, loader in loaders.items():  # warm up: worker start-up is paid once (persistent workers)
+    for loader in loaders.values():  # warm up: worker start-up is paid once (persistent workers)
         one_epoch(loader, 0)
     rows = {w: [] for w in loaders}
     for r in range(rounds):

@@ -25,13 +25,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import torch  # noqa: E402
+import torch
 
-from pimm_fn.bench.workloads import PTV3_CONFIG  # noqa: E402
-from pimm_fn.models.ptv3 import PTv3  # noqa: E402
-from pimm_fn.optim import adamw, apply_updates, update_and_apply  # noqa: E402
-from pimm_fn.schedules import one_cycle  # noqa: E402
-from pimm_fn.steps.common import guarded_update  # noqa: E402
+from pimm_fn.bench.workloads import PTV3_CONFIG
+from pimm_fn.models.ptv3 import PTv3
+from pimm_fn.optim import adamw, apply_updates, update_and_apply
+from pimm_fn.schedules import one_cycle
+from pimm_fn.steps.common import guarded_update
 
 
 def tree_215():

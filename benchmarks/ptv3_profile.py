@@ -26,13 +26,13 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-from pimm_fn.bench import machine_info  # noqa: E402
-from pimm_fn.bench import workloads as W  # noqa: E402
-from pimm_fn.compile import compile_step  # noqa: E402
-from pimm_fn.steps.supervised import supervised  # noqa: E402
+from pimm_fn.bench import machine_info
+from pimm_fn.bench import workloads as W
+from pimm_fn.compile import compile_step
+from pimm_fn.steps.supervised import supervised
 
 KINDS = (
     ("gemm", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn", "onednn",

@@ -18,8 +18,8 @@ from pimm_fn import optim, recipes, schedules
 from pimm_fn.data import DigitsImages, build_eval_loader, build_train_loader, image_collate
 from pimm_fn.experiment import Run
 from pimm_fn.metrics import accuracy_counts
-from pimm_fn.state import TrainState
 from pimm_fn.models import ImageClassifier
+from pimm_fn.state import TrainState
 from pimm_fn.steps.common import eval_forward
 
 SETTINGS = {

@@ -56,7 +56,8 @@ from __future__ import annotations
 import torch
 
 from pimm_fn import recipes
-from pimm_fn.data import FrogTissueBlocks, build_eval_loader, build_train_loader, transforms as T
+from pimm_fn.data import FrogTissueBlocks, build_eval_loader, build_train_loader
+from pimm_fn.data import transforms as T
 from pimm_fn.experiment import Run
 from pimm_fn.models import PointSegNet
 from pimm_fn.state import TrainState

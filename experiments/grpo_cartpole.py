@@ -139,7 +139,8 @@ def greedy_return(state: TrainState, episodes: int = 8, max_steps: int = 500, se
         done, ret = False, 0.0
         while not done:
             with torch.no_grad():
-                logits = functional_call(model, (state.params, state.buffers), ({"obs": torch.as_tensor(o)[None]},))["logits"]
+                logits = functional_call(model, (state.params, state.buffers),
+                                         ({"obs": torch.as_tensor(o)[None]},))["logits"]
             o, r, term, trunc, _ = env.step(int(logits.argmax(-1)))
             ret += float(r)
             done = term or trunc

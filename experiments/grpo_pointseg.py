@@ -17,7 +17,8 @@ import torch
 
 from pimm_fn import optim
 from pimm_fn.compile import compile_step
-from pimm_fn.data import LidarBlocks, build_eval_loader, build_train_loader, transforms as T
+from pimm_fn.data import LidarBlocks, build_eval_loader, build_train_loader
+from pimm_fn.data import transforms as T
 from pimm_fn.experiment import Run
 from pimm_fn.metrics import intersection_and_union, segmentation_scores
 from pimm_fn.models.policies import PointLabelPolicy

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pimm_fn import recipes
-from pimm_fn.data import InstanceCollate, SyntheticScenes, build_eval_loader, build_train_loader, transforms as T
+from pimm_fn.data import InstanceCollate, SyntheticScenes, build_eval_loader, build_train_loader
+from pimm_fn.data import transforms as T
 from pimm_fn.data.datasets import SYNTHETIC_CLASSES
 from pimm_fn.experiment import Run
 from pimm_fn.metrics import intersection_and_union, segmentation_scores
@@ -52,7 +53,8 @@ SETTINGS = {
 }
 # --quick (a smoke test) changes these; an explicit --set wins over them.
 QUICK = {"epochs": 2, "train_scenes": 8, "val_scenes": 2}
-MINIMUM = {"epochs": 1, "batch_size": 1, "train_scenes": 1, "val_scenes": 1, "width": 1, "num_workers": 0}  # smallest valid values
+# smallest valid values
+MINIMUM = {"epochs": 1, "batch_size": 1, "train_scenes": 1, "val_scenes": 1, "width": 1, "num_workers": 0}
 
 NUM_CLASSES = len(SYNTHETIC_CLASSES)
 _INPUT_KEYS = ("coord", "grid_coord", "feat", "offset")
@@ -182,7 +184,8 @@ def build(settings: dict, ctx) -> Run:
         collate_fn=InstanceCollate(), transform=transform(s["grid_size"], "train"), num_workers=s["num_workers"],
         rank=ctx.rank, world_size=ctx.world_size, iters_per_epoch=2 if ctx.quick else None)
     val_loader = build_eval_loader(SyntheticScenes(s["val_scenes"], seed=s["seed"] + 1000, name="synthetic_val"),
-                                   batch_size=4, collate_fn=InstanceCollate(), transform=transform(s["grid_size"], "test"))
+                                   batch_size=4, collate_fn=InstanceCollate(),
+                                   transform=transform(s["grid_size"], "test"))
     model = InstanceSegNet(in_channels=3, num_classes=NUM_CLASSES, width=s["width"], strides=(2, 4, 8, 16),
                            offset_weight=s["offset_weight"])
     total = len(train_loader) * s["epochs"]

@@ -41,7 +41,14 @@ import torch
 
 from pimm_fn import recipes
 from pimm_fn.data import (
-    LidarBlocks, MultiDatasetLoader, SyntheticScenes, build_eval_loader, build_train_loader, transforms as T,
+    LidarBlocks,
+    MultiDatasetLoader,
+    SyntheticScenes,
+    build_eval_loader,
+    build_train_loader,
+)
+from pimm_fn.data import (
+    transforms as T,
 )
 from pimm_fn.experiment import Run
 from pimm_fn.models import PointSegNet
@@ -100,7 +107,8 @@ def keep_keys(*keys):
 def transform(table: torch.Tensor, grid_size: float, mode: str):
     steps = [T.random_rotate(axis="z"), T.random_scale((0.9, 1.1)), T.random_flip(0.5),
              T.random_jitter(0.01, 0.05)] if mode == "train" else []
-    keys = ("coord", "grid_coord", "feat", "segment", "name") + (("inverse", "origin_segment") if mode == "test" else ())
+    keys = (("coord", "grid_coord", "feat", "segment", "name")
+            + (("inverse", "origin_segment") if mode == "test" else ()))
     return T.compose(to_shared(table), *steps, T.grid_sample(grid_size, mode=mode), T.center_shift(apply_z=False),
                      T.assemble_feat(("coord",)), keep_keys(*keys))
 

@@ -95,4 +95,5 @@ def build(settings: dict, ctx) -> Run:
                                                   LArTPCEvents.class_names),
                best_metric="mIoU", best_mode="max",
                render=lambda st, png: recipes.render_first_cloud(
-                   st, val_loader, png, _INPUT_KEYS, LArTPCEvents.class_names, "LArTPC validation event (PTv3)"), eval_every_epochs=1)
+                   st, val_loader, png, _INPUT_KEYS, LArTPCEvents.class_names, "LArTPC validation event (PTv3)"),
+               eval_every_epochs=1)

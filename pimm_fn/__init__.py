@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 # ``fit`` is both a submodule and its function. Importing the submodule (which any later
 # import of pimm_fn.fit would do) sets the package attribute to the module, so it is
 # imported here, once, and the function put over it.
-from .fit import fit  # noqa: E402
+from .fit import fit as fit  # re-exported: __all__ below is built, so spelled out for the linter
 
 # name -> the module it lives in (relative to the package); "" marks a submodule.
 _CORE = {

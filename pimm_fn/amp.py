@@ -13,7 +13,8 @@ from typing import NamedTuple, Optional
 import attrs
 import torch
 
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
 class LossScaleState(NamedTuple):
@@ -59,7 +60,8 @@ def unscale_factor(state: LossScaleState) -> torch.Tensor:
     return state.scale.double().reciprocal().float()
 
 
-def update_loss_scale(state: LossScaleState, finite: torch.Tensor, config: LossScaleConfig = LossScaleConfig()) -> LossScaleState:
+def update_loss_scale(state: LossScaleState, finite: torch.Tensor,
+                      config: LossScaleConfig = LossScaleConfig()) -> LossScaleState:
     """Next loss-scale state after a step whose gradients were ``finite`` (0-dim bool)."""
     grown_tracker = state.growth_tracker + 1
     grow = finite & (grown_tracker >= config.growth_interval)

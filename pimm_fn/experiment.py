@@ -115,7 +115,8 @@ def load_experiment(name: str):
         path = experiments_dir() / f"{name}.py"
     if not path.is_file():
         raise ExperimentNotFoundError(
-            f"no experiment {name!r} ({path} does not exist); pass one of: {', '.join(available_experiments()) or '(none)'}"
+            f"no experiment {name!r} ({path} does not exist); "
+            f"pass one of: {', '.join(available_experiments()) or '(none)'}"
             " or the path of an experiment file"
         )
     spec = importlib.util.spec_from_file_location(f"pimm_fn_experiment_{path.stem}", path)
@@ -124,7 +125,9 @@ def load_experiment(name: str):
     spec.loader.exec_module(module)
     for attr in ("SETTINGS", "build"):
         if not hasattr(module, attr):
-            raise ExperimentError(f"experiment {path} defines no {attr}; an experiment needs SETTINGS and build(settings, ctx)")
+            raise ExperimentError(
+                f"experiment {path} defines no {attr}; an experiment needs SETTINGS and build(settings, ctx)"
+            )
     for attr in ("QUICK", "MINIMUM"):
         unknown = sorted(set(getattr(module, attr, {})) - set(module.SETTINGS))
         if unknown:

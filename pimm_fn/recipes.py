@@ -111,5 +111,6 @@ def ptv3_unet(in_channels: int, num_classes: int, *, channels: Sequence[int], de
 
     ch = list(channels)
     dec = ch[:len(ch) - 1]
-    return PTv3(in_channels, num_classes, enc_depths=depths, enc_channels=ch, enc_heads=[c // head_channels for c in ch],
+    return PTv3(in_channels, num_classes,
+                enc_depths=depths, enc_channels=ch, enc_heads=[c // head_channels for c in ch],
                 dec_depths=dec_depths, dec_channels=dec, dec_heads=[c // head_channels for c in dec], **options)

@@ -8,7 +8,6 @@ from typing import Optional
 
 import torch
 
-from . import events as ev
 from .callbacks.base import Callback
 
 

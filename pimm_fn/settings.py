@@ -40,8 +40,11 @@ def _parse_value(key: str, text: str, default: Any) -> Any:
             value = ast.literal_eval(text.strip())
         except (ValueError, SyntaxError):
             value = None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-            raise SettingsError(f"{wrong}; pass a{'n' if kind is int else ''} {kind.__name__}, e.g. --set {key}={default!r}")
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or (kind is int and not isinstance(value, int))):
+            raise SettingsError(
+                f"{wrong}; pass a{'n' if kind is int else ''} {kind.__name__}, e.g. --set {key}={default!r}"
+            )
         return kind(value)
     if kind is str:
         return text

@@ -16,12 +16,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 torch.set_num_threads(1)
 
-from _fit_helpers import dataset, make_state, step_fn  # noqa: E402
+from _fit_helpers import dataset, make_state, step_fn
 
-from pimm_fn import events as ev  # noqa: E402
-from pimm_fn.callbacks import Checkpoint, TensorBoard, TextLog, resume  # noqa: E402
-from pimm_fn.fit import fit  # noqa: E402
-from pimm_fn.tree import tree_flatten_with_path  # noqa: E402
+from pimm_fn import events as ev
+from pimm_fn.callbacks import Checkpoint, TensorBoard, TextLog, resume
+from pimm_fn.fit import fit
+from pimm_fn.tree import tree_flatten_with_path
 
 EPOCHS, BATCH, N = 3, 8, 64  # 8 steps per epoch, 24 in all
 
@@ -48,7 +48,8 @@ def build_ptv3():
     """The PTv3-class backbone (tiny) on synthetic scenes, its topology from the collate in 2
     workers, AdamW + OneCycle with layer-wise lr decay, drop path on: (state, loader, step)."""
     from pimm_fn import recipes
-    from pimm_fn.data import SyntheticScenes, build_train_loader, transforms as T
+    from pimm_fn.data import SyntheticScenes, build_train_loader
+    from pimm_fn.data import transforms as T
     from pimm_fn.models import PTv3, layer_decay_groups
     from pimm_fn.state import TrainState
     from pimm_fn.steps.parallel import data_parallel

@@ -17,13 +17,13 @@ pytest.importorskip("optax", reason="the JAX benchmark way needs the bench extra
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import jax_ways as J  # noqa: E402
-from pimm_fn.bench import workloads as W  # noqa: E402
-from pimm_fn.compile import compile_step  # noqa: E402
-from pimm_fn.models import ImageClassifier, MLPClassifier, PointSegNet  # noqa: E402
-from pimm_fn.schedules import one_cycle  # noqa: E402
-from pimm_fn.state import TrainState  # noqa: E402
-from pimm_fn.steps.supervised import supervised  # noqa: E402
+from benchmarks import jax_ways as J
+from pimm_fn.bench import workloads as W
+from pimm_fn.compile import compile_step
+from pimm_fn.models import ImageClassifier, MLPClassifier, PointSegNet
+from pimm_fn.schedules import one_cycle
+from pimm_fn.state import TrainState
+from pimm_fn.steps.supervised import supervised
 
 
 def test_one_cycle_matches_pimm_fn_schedule():

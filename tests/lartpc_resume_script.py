@@ -19,14 +19,14 @@ import torch
 
 torch.set_num_threads(1)
 
-from pimm_fn import events as ev  # noqa: E402
-from pimm_fn.callbacks import Checkpoint, on, resume  # noqa: E402
-from pimm_fn.data import LArTPCEvents, build_train_loader  # noqa: E402
-from pimm_fn.fit import fit  # noqa: E402
-from pimm_fn.optim import adamw  # noqa: E402
-from pimm_fn.state import TrainState  # noqa: E402
-from pimm_fn.steps import supervised  # noqa: E402
-from pimm_fn.tree import tree_flatten_with_path  # noqa: E402
+from pimm_fn import events as ev
+from pimm_fn.callbacks import Checkpoint, on, resume
+from pimm_fn.data import LArTPCEvents, build_train_loader
+from pimm_fn.fit import fit
+from pimm_fn.optim import adamw
+from pimm_fn.state import TrainState
+from pimm_fn.steps import supervised
+from pimm_fn.tree import tree_flatten_with_path
 
 NUM_EVENTS, BATCH, SEED = 1_000_000, 4, 11
 STOP_AT, CKPT_EVERY = 20, 4

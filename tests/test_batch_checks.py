@@ -1,18 +1,17 @@
 """Malformed batches are named on the host before a step (or the compiler) sees them."""
-import sys
 import os
+import sys
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _fit_helpers import make_state, step_fn  # noqa: E402
+from _fit_helpers import make_state, step_fn
 
-from pimm_fn import compile_step, steps  # noqa: E402
-from pimm_fn.data import validate_batch  # noqa: E402
-from pimm_fn.fit import fit  # noqa: E402
-from pimm_fn.models import MLPClassifier  # noqa: E402
-from pimm_fn import TrainState, optim  # noqa: E402
+from pimm_fn import TrainState, compile_step, optim, steps
+from pimm_fn.data import validate_batch
+from pimm_fn.fit import fit
+from pimm_fn.models import MLPClassifier
 
 
 def _points(sizes=(5, 7), short=0):

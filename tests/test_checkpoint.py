@@ -44,14 +44,18 @@ def tiny_tx() -> GradientTransformation:
 
 def make_model(hidden=8, out=3):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, out))
+    return torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, out))
 
 
 def busy_state(hidden=8, out=3, seed=1) -> TrainState:
     """A state whose every leaf differs from its initial value, with awkward dtypes."""
     g = torch.Generator().manual_seed(seed)
     s = TrainState.create(make_model(hidden, out), tiny_tx(), loss_scale=True, seed=5, data_seed=9)
-    rand = lambda t: torch.randn(t.shape, generator=g).to(t.dtype) if t.is_floating_point() else t + 7
+
+    def rand(t):
+        return torch.randn(t.shape, generator=g).to(t.dtype) if t.is_floating_point() else t + 7
+
     nan_param = dict(tree_map(rand, s.params))
     nan_param["0.bias"] = nan_param["0.bias"].clone()
     nan_param["0.bias"][0] = float("nan")  # NaN must survive bit for bit
@@ -60,7 +64,8 @@ def busy_state(hidden=8, out=3, seed=1) -> TrainState:
         params=nan_param,
         buffers=tree_map(rand, s.buffers),
         opt_state=tree_map(rand, s.opt_state),
-        loss_scale=s.loss_scale._replace(scale=torch.tensor(2.0**13), growth_tracker=torch.tensor(17, dtype=torch.int32)),
+        loss_scale=s.loss_scale._replace(scale=torch.tensor(2.0**13),
+                                         growth_tracker=torch.tensor(17, dtype=torch.int32)),
         rng=s.rng.replace(counter=41),
         cursor=s.cursor.replace(epoch=2, position=3, samples_seen=10**12),
         extra={
@@ -182,7 +187,8 @@ def test_missing_path_lists_existing(tmp_path):
     like = busy_state()
     ck.save(tmp_path / "step_1.ckpt", like)
     ck.save(tmp_path / "step_2.ckpt", like)
-    with pytest.raises(ck.CheckpointNotFoundError, match=r"step_9\.ckpt does not exist(.|\n)*step_2\.ckpt(.|\n)*step_1\.ckpt"):
+    with pytest.raises(ck.CheckpointNotFoundError,
+                       match=r"step_9\.ckpt does not exist(.|\n)*step_2\.ckpt(.|\n)*step_1\.ckpt"):
         ck.restore(tmp_path / "step_9.ckpt", like)
     with pytest.raises(FileNotFoundError, match="nor does its folder"):
         ck.restore(tmp_path / "nope" / "x.ckpt", like)
@@ -193,7 +199,8 @@ def test_missing_path_lists_existing(tmp_path):
 def test_other_model_lists_keys_and_shapes(tmp_path):
     path = ck.save(tmp_path / "a.ckpt", busy_state(hidden=8, out=3))
     other = TrainState.create(
-        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 5), torch.nn.Linear(5, 2)),
+        torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 5),
+                            torch.nn.Linear(5, 2)),
         tiny_tx(),
         loss_scale=True,
     )
@@ -418,7 +425,9 @@ _ZYGOTE = textwrap.dedent(
 
         if mode == "hang_in_write":  # data written, neither fsynced nor renamed
             real = os.fsync
-            os.fsync = lambda fd: hang("in_write") if now[0] > start and not os.path.isdir(f"/proc/self/fd/{fd}") else real(fd)
+            os.fsync = lambda fd: (
+                hang("in_write") if now[0] > start and not os.path.isdir(f"/proc/self/fd/{fd}") else real(fd)
+            )
         if mode == "hang_before_pointer":  # checkpoint renamed, pointer not yet moved
             real_r = os.replace
             os.replace = lambda s, t: hang("before_pointer") if now[0] > start and t.name == "latest" else real_r(s, t)
@@ -596,7 +605,9 @@ def test_import_seed_optimizer_adapter(monkeypatch):
     # SGD saves no step: the seed scheduler's last_epoch is the count
     sgd_sd = {"state": {}, "param_groups": [{"params": [0, 1, 2, 3, 4, 5]}]}
     ck.import_seed_checkpoint(
-        {"state_dict": model.state_dict(), "optimizer": sgd_sd, "scheduler": {"last_epoch": 11}}, like, optimizer_importer=importer
+        {"state_dict": model.state_dict(), "optimizer": sgd_sd, "scheduler": {"last_epoch": 11}},
+        like,
+        optimizer_importer=importer,
     )
     assert seen["count"] == 11
 

@@ -263,7 +263,9 @@ def test_missing_data_set(tmp_path):
 
 
 def test_eval_corrupt_checkpoint_names_the_intact_one(corrupt_copy):
-    line = error_line(pimm_fn("eval", "digits_cls", "--set", "compile=false", "--checkpoint", corrupt_copy / "step_4.ckpt"))
+    line = error_line(
+        pimm_fn("eval", "digits_cls", "--set", "compile=false", "--checkpoint", corrupt_copy / "step_4.ckpt")
+    )
     assert f"{corrupt_copy / 'step_4.ckpt'} is truncated" in line, line
     assert f"the earlier checkpoint {corrupt_copy / 'step_2.ckpt'} is intact: use it" in line, line
 

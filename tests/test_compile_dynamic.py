@@ -3,7 +3,8 @@ import torch
 
 from pimm_fn import optim
 from pimm_fn.compile import compile_step
-from pimm_fn.data import SyntheticScenes, build_train_loader, transforms as T
+from pimm_fn.data import SyntheticScenes, build_train_loader
+from pimm_fn.data import transforms as T
 from pimm_fn.models import PointSegNet
 from pimm_fn.state import TrainState
 from pimm_fn.steps import supervised

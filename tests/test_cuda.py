@@ -234,11 +234,13 @@ def test_reduce_overhead_static_shape_matches_the_default_compile_and_keeps_old_
     plain = compile_step(supervised(clip_grad=1.0))
     g, p = state0, state0
     kept = []
+    compiles = None
     for i, b in enumerate(bs):
         g, gm = graphed(g, b)
         p, pm = plain(p, b)
         kept.append((g, {k: v.clone() for k, v in g.params.items()}))
-        compiles = graphed.compile_count if i == 0 else compiles
+        if i == 0:
+            compiles = graphed.compile_count
     assert graphed.compile_count == compiles  # replays, no recompiles
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])  # the graph was recorded
     for k in p.params:
@@ -255,9 +257,11 @@ def test_reduce_overhead_variable_point_counts_compile_once_without_rerecording(
     counters.clear()
     state = TrainState.create(PointNet(), optim.adamw(1e-3), device=DEV)
     step = compile_step(supervised(), mode="reduce-overhead", dynamic=True)
+    compiles = None
     for i, b in enumerate(point_batches([5000, 5100, 6200, 7300, 5550, 8000, 6001])):
         state, m = step(state, b)
-        compiles = step.compile_count if i == 0 else compiles
+        if i == 0:
+            compiles = step.compile_count
     assert step.compile_count == compiles and torch.isfinite(m["loss"]), step.recompile_reasons
     # the dynamic graph was kept off CUDA graphs (no recording per point count)
     assert counters["inductor"]["cudagraph_skips"] >= 1, dict(counters["inductor"])

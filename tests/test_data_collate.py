@@ -4,8 +4,14 @@ import pytest
 import torch
 
 from pimm_fn.data import (
-    PointCollate, collate, image_collate, instance_collate, mix3d, point_collate,
-    synthetic_scene, validate_point_batch,
+    PointCollate,
+    collate,
+    image_collate,
+    instance_collate,
+    mix3d,
+    point_collate,
+    synthetic_scene,
+    validate_point_batch,
 )
 
 

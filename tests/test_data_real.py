@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from pimm_fn.data import (
-    DatasetMissingError, DigitsImages, FrogTissueBlocks, LidarBlocks, build_train_loader, fetch,
+    DatasetMissingError,
+    DigitsImages,
+    FrogTissueBlocks,
+    LidarBlocks,
+    build_train_loader,
+    fetch,
     image_collate,
 )
 from pimm_fn.data import transforms as T

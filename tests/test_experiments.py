@@ -116,7 +116,9 @@ def test_unknown_setting_exits_nonzero_listing_valid_keys():
 def test_wrong_type_exits_nonzero_naming_the_type():
     proc = cli("train", "lidar_seg", "--set", "epochs=ten", check=False, timeout=120)
     assert proc.returncode == 1
-    assert proc.stderr.strip() == "pimm-fn: setting 'epochs' is int (default 60), got 'ten'; pass an int, e.g. --set epochs=60", proc.stderr
+    assert proc.stderr.strip() == (
+        "pimm-fn: setting 'epochs' is int (default 60), got 'ten'; pass an int, e.g. --set epochs=60"
+    ), proc.stderr
 
 
 def test_resume_of_a_finished_run_says_complete(lidar_compiled):
@@ -175,7 +177,9 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
         deadline = time.monotonic() + 300
         # kill mid-epoch 2: after the epoch-1 checkpoint, steps 7+ in flight
         while not ((killed / "checkpoints" / "latest").is_file() and _last_logged_step(killed) >= 7):
-            assert proc.poll() is None, f"the run ended before it could be killed:\n{(tmp_path / 'killed.stderr').read_text()[-3000:]}"
+            assert proc.poll() is None, (
+                f"the run ended before it could be killed:\n{(tmp_path / 'killed.stderr').read_text()[-3000:]}"
+            )
             assert time.monotonic() < deadline, "no checkpoint after 300 s"
             time.sleep(0.02)
         os.kill(proc.pid, signal.SIGKILL)
@@ -217,7 +221,7 @@ def test_lidar_full_resolution_eval_batches_blocks_with_the_same_miou(tmp_path):
     for n in (1, 4):
         try:
             run = mod.build({**mod.SETTINGS, "compile": False, "eval_batch_size": n}, RunContext(save_path=tmp_path))
-        except Exception as err:  # noqa: BLE001 - the data set is not fetched here
+        except Exception as err:  # the data set is not fetched here
             if "pimm_fn.data.fetch" in str(err):
                 pytest.skip(str(err))
             raise
@@ -235,8 +239,8 @@ LEARN_STEPS = 30
 LEARN_MARGIN = 0.7   # loss after LEARN_STEPS on one batch <= 0.7 x the first step's loss
 
 
-@pytest.mark.parametrize("name", ["lidar_seg", "frog_seg", "digits_cls", "multi_dataset_seg", "instance_seg", "ptv3_seg",
-                                  "particle_seg"])
+@pytest.mark.parametrize("name", ["lidar_seg", "frog_seg", "digits_cls", "multi_dataset_seg", "instance_seg",
+                                  "ptv3_seg", "particle_seg"])
 def test_experiment_learns_one_batch(name, tmp_path):
     from pimm_fn.experiment import RunContext, experiment_settings, load_experiment
 
@@ -245,7 +249,7 @@ def test_experiment_learns_one_batch(name, tmp_path):
     settings = {**experiment_settings(mod, quick=True), "compile": False, "epochs": LEARN_STEPS}
     try:
         run = mod.build(settings, RunContext(save_path=tmp_path, quick=True))
-    except Exception as err:  # noqa: BLE001 - the data set is not fetched here
+    except Exception as err:  # the data set is not fetched here
         if "pimm_fn.data.fetch" in str(err):
             pytest.skip(str(err))
         raise
@@ -255,4 +259,6 @@ def test_experiment_learns_one_batch(name, tmp_path):
         state, metrics = run.step(state, batch)
         losses.append(float(metrics["loss"]))
     assert all(map(math.isfinite, losses)), losses
-    assert losses[-1] <= LEARN_MARGIN * losses[0], f"{name}: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {LEARN_STEPS} steps: {losses}"
+    assert losses[-1] <= LEARN_MARGIN * losses[0], (
+        f"{name}: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {LEARN_STEPS} steps: {losses}"
+    )

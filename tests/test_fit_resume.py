@@ -17,12 +17,12 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _fit_helpers import leaves_equal, make_state, step_fn  # noqa: E402
+from _fit_helpers import leaves_equal, make_state, step_fn
 
-from pimm_fn import checkpoint as ckpt  # noqa: E402
-from pimm_fn import events as ev  # noqa: E402
-from pimm_fn.callbacks import Checkpoint, on, restore_latest, resume  # noqa: E402
-from pimm_fn.fit import fit  # noqa: E402
+from pimm_fn import checkpoint as ckpt
+from pimm_fn import events as ev
+from pimm_fn.callbacks import Checkpoint, on, restore_latest, resume
+from pimm_fn.fit import fit
 
 SCRIPT = os.path.join(HERE, "fit_resume_script.py")
 TOTAL = 24  # fit_resume_script: 3 epochs x 8 steps

@@ -14,7 +14,8 @@ import torch
 from pimm_fn.bench import workloads as W
 
 ROOT = Path(__file__).resolve().parents[1]
-no_cuda_only = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: gpu_check.sh really runs there")
+no_cuda_only = pytest.mark.skipif(torch.cuda.is_available(),
+                                  reason="this machine has CUDA: gpu_check.sh really runs there")
 
 
 @no_cuda_only

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from pimm_fn import checkpoint, optim, rl
+from pimm_fn import checkpoint, optim
 from pimm_fn.compile import compile_step, explain_step, seeded_rng
 from pimm_fn.state import TrainState
 from pimm_fn.steps.grpo import REF_KEY, Rollout, grpo, with_reference
@@ -94,7 +94,7 @@ def test_microbatched_update_equals_full_batch(reduction):
     full, full_m = results[0]
     grad_full = {k: make_state(dtype=torch.float64).params[k] - full.params[k] for k in full.params}
     assert max(float(g.abs().max()) for g in grad_full.values()) > 1e-3  # a real gradient
-    for m, (new, metrics) in results.items():
+    for new, metrics in results.values():
         for k in full.params:
             torch.testing.assert_close(new.params[k], full.params[k], atol=1e-6, rtol=0)
         torch.testing.assert_close(metrics["loss"], full_m["loss"], atol=1e-9, rtol=0)

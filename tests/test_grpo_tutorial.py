@@ -32,7 +32,7 @@ def test_tutorial_code_runs_as_written(tutorial):
     _, printed = tutorial
     assert "graph breaks: 0" in printed
     # the variant itself is small: the whole-step section's code, without blank lines
-    whole_step = [l for l in BLOCKS[2].splitlines() if l.strip()]
+    whole_step = [line for line in BLOCKS[2].splitlines() if line.strip()]
     assert len(whole_step) < 100
 
 

@@ -5,10 +5,20 @@ import numpy as np
 import pytest
 import torch
 
-from pimm_fn.data import LArTPCEvents, build_train_loader, lartpc_event, transforms as T
+from pimm_fn.data import LArTPCEvents, build_train_loader, lartpc_event
+from pimm_fn.data import transforms as T
 from pimm_fn.data.lartpc import (
-    CLASS_NAMES, KINDS, MICHEL, MUON, PION, PROTON, dedx, kinetic_energy, render_events,
-    trace_paths, voxelize,
+    CLASS_NAMES,
+    KINDS,
+    MICHEL,
+    MUON,
+    PION,
+    PROTON,
+    dedx,
+    kinetic_energy,
+    render_events,
+    trace_paths,
+    voxelize,
 )
 
 GRID = 768

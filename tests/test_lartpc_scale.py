@@ -24,14 +24,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
+from test_distributed_torchrun import _env, _free_port
+from test_fit_resume import _Proc as _ScriptProc
 
-from pimm_fn.checkpoint import CheckpointDir  # noqa: E402
-from pimm_fn.data import LArTPCEvents, build_train_loader  # noqa: E402
-from pimm_fn.data.sampler import epoch_order  # noqa: E402
-from test_distributed_torchrun import _env, _free_port  # noqa: E402
-from test_fit_resume import _Proc as _ScriptProc  # noqa: E402
+from pimm_fn.checkpoint import CheckpointDir
+from pimm_fn.data import LArTPCEvents, build_train_loader
+from pimm_fn.data.sampler import epoch_order
 
 NUM_EVENTS = 1_000_000
 
@@ -131,7 +131,9 @@ def test_sigkill_mid_epoch_on_the_million_event_stream_resumes_bitwise(tmp_path)
             begin = int(start.split()[1])
             # kill once past step `at` and a newer checkpoint than the one it resumed from
             # is durable (saves are written in the background): every restart is mid-epoch
-            hit = proc.wait_for(lambda line: _step_at_least(at)(line) and _latest_step(run_dir) > begin)
+            hit = proc.wait_for(
+                lambda line, at=at, begin=begin: _step_at_least(at)(line) and _latest_step(run_dir) > begin
+            )
             assert hit is not None, "the run ended before the planned kill:\n" + "\n".join(proc.log)
             assert proc.kill() == -signal.SIGKILL
             starts.append(begin)

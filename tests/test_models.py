@@ -151,7 +151,7 @@ def test_seg_net_learns_local_geometry_in_eager_steps():
         accs.append(float(metrics["acc"]))
     assert losses[-1] < 0.5 * losses[0], losses
     assert accs[-1] > 0.8, accs
-    assert all(math.isfinite(l) for l in losses)
+    assert all(math.isfinite(loss) for loss in losses)
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,9 @@ def test_external_op_passes_torch_opcheck():
     # dynamic shapes: what the compiler relies on.
     x = torch.randn(5, 3, requires_grad=True)
     w = torch.randn(3, requires_grad=True)
-    for op, args in ((np_scale, (x, w)), (np_exp, (x,)), (np_scale_backward, (torch.randn(5, 3), x.detach(), w.detach()))):
+    for op, args in ((np_scale, (x, w)),
+                     (np_exp, (x,)),
+                     (np_scale_backward, (torch.randn(5, 3), x.detach(), w.detach()))):
         results = torch.library.opcheck(op, args)
         assert set(results.values()) == {"SUCCESS"}, (op, results)
 

@@ -6,7 +6,6 @@ import torch
 
 from pimm_fn import rl
 
-
 # --------------------------------------------------------------------------- helpers
 
 D, A, T = 3, 4, 5  # feature dim, actions, max steps

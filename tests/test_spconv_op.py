@@ -12,13 +12,13 @@ import torch.nn.functional as F
 spconv = pytest.importorskip(
     "spconv.pytorch", reason="spconv is not installed (optional: pip install 'pimm_fn[spconv]')")
 
-import spconv as spconv_package  # noqa: E402
+import spconv as spconv_package
 
-from pimm_fn import optim  # noqa: E402
-from pimm_fn.compile import compile_step, explain_step  # noqa: E402
-from pimm_fn.ops.sparse_conv import SubMConv3d, no_cuda_stream, subm_conv3d  # noqa: E402
-from pimm_fn.state import TrainState  # noqa: E402
-from pimm_fn.steps import supervised  # noqa: E402
+from pimm_fn import optim
+from pimm_fn.compile import compile_step, explain_step
+from pimm_fn.ops.sparse_conv import SubMConv3d, no_cuda_stream, subm_conv3d
+from pimm_fn.state import TrainState
+from pimm_fn.steps import supervised
 
 GRID = 8
 SIZES = [(70, 45), (30, 90), (64, 64)]  # points per cloud; every total differs

@@ -4,13 +4,13 @@ import copy
 import pytest
 import torch
 
+from pimm_fn import optim, schedules
 from pimm_fn.amp import LossScaleConfig
 from pimm_fn.compile import compile_step, explain_step
 from pimm_fn.state import TrainState
 from pimm_fn.steps import supervised
 from pimm_fn.steps.common import MissingLossError
 from pimm_fn.tree import tree_leaves
-from pimm_fn import optim, schedules
 
 
 class BNNet(torch.nn.Module):
@@ -38,7 +38,8 @@ class BNNet(torch.nn.Module):
 
 def make_batches(n, batch=32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [{"x": torch.randn(batch, 6, generator=g), "y": torch.randint(0, 4, (batch,), generator=g)} for _ in range(n)]
+    return [{"x": torch.randn(batch, 6, generator=g), "y": torch.randint(0, 4, (batch,), generator=g)}
+            for _ in range(n)]
 
 
 TOTAL = 50
@@ -218,7 +219,8 @@ def test_accumulation_equals_one_step_on_concatenated_batch():
     parts[2] = {k: v[:4] for k, v in parts[2].items()}  # unequal micro-batches
     whole = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     s_whole, _ = supervised()(TrainState.create(model, tx), whole)
-    s_acc, m = supervised(accumulate=3, microbatch_weight=lambda b: b["y"].shape[0])(TrainState.create(model, tx), parts)
+    acc_step = supervised(accumulate=3, microbatch_weight=lambda b: b["y"].shape[0])
+    s_acc, m = acc_step(TrainState.create(model, tx), parts)
     for k in s_whole.params:
         assert torch.allclose(s_whole.params[k], s_acc.params[k], atol=1e-6), k
     with pytest.raises(ValueError, match="3 micro-batches"):

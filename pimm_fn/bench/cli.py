@@ -11,7 +11,6 @@ import torch
 from .compile_cache import _probe, load_factory
 from .timing import benchmark_step
 
-
 BUILTIN_WORKLOADS = ("mlp", "pointseg", "cnn")  # GRPO: benchmarks/grpo_step.py
 
 

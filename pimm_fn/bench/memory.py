@@ -72,7 +72,7 @@ class PeakMemory:
             self._prof.__enter__()
             self.method = "cpu: torch allocator accounting (profiler memory events), peak bytes allocated in the step"
             return self
-        except Exception:  # noqa: BLE001 - no profiler here: fall back to the resident set
+        except Exception:
             self._prof = None
         self._base = _rss_bytes()
         if self._base is not None:

@@ -90,7 +90,8 @@ class BenchResult:
         for r in self.recompile_reasons[:5]:
             rows.append(("  recompile reason", r[:160]))
         gb = "not checked" if self.graph_break_count is None else str(self.graph_break_count)
-        rows.append(("graph breaks", gb + (f", {len(self.break_reasons)} break reason(s)" if self.break_reasons else "")))
+        reasons = f", {len(self.break_reasons)} break reason(s)" if self.break_reasons else ""
+        rows.append(("graph breaks", gb + reasons))
         for r in self.break_reasons[:5]:
             rows.append(("  break reason", r.splitlines()[0][:160]))
         mem = "n/a" if self.peak_memory_bytes is None else f"{self.peak_memory_bytes / 2**20:.1f} MiB"

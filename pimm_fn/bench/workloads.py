@@ -50,10 +50,12 @@ PTV3_CONFIG = dict(enc_depths=(1, 1, 2), enc_channels=(32, 64, 128), enc_heads=(
                    dec_channels=(32, 64), dec_heads=(2, 4), patch_size=(128, 64, 32), drop_path=0.0)
 
 MODELS = {
-    "mlp": (lambda: MLPClassifier(256, 10, hidden=(512, 512)), "pimm_fn.models.MLPClassifier(256, 10, hidden=(512, 512))"),
+    "mlp": (lambda: MLPClassifier(256, 10, hidden=(512, 512)),
+            "pimm_fn.models.MLPClassifier(256, 10, hidden=(512, 512))"),
     "pointseg": (lambda: PointSegNet(3, POINT_CLASSES, width=32, strides=(2, 4, 8)),
                  "pimm_fn.models.PointSegNet(3, 13, width=32, strides=(2, 4, 8))"),
-    "cnn": (lambda: ImageClassifier(3, 10, width=32, depth=3), "pimm_fn.models.ImageClassifier(3, 10, width=32, depth=3)"),
+    "cnn": (lambda: ImageClassifier(3, 10, width=32, depth=3),
+            "pimm_fn.models.ImageClassifier(3, 10, width=32, depth=3)"),
     "ptv3": (lambda: PTv3(4, 3, **PTV3_CONFIG), f"pimm_fn.models.PTv3(4, 3, **{PTV3_CONFIG})"),
 }
 
@@ -104,7 +106,8 @@ def point_batches(n=8, clouds=CLOUDS, lo=POINTS_LO, hi=POINTS_HI, fixed=False, s
 
 def lidar_ptv3_batches(n=8, batch=4, seed=0):
     """n training batches of the real LiDAR tile (4 augmented, voxelised blocks each), with topology."""
-    from ..data import LidarBlocks, build_train_loader, transforms as T
+    from ..data import LidarBlocks, build_train_loader
+    from ..data import transforms as T
 
     transform = T.compose(T.random_rotate(axis="z"), T.random_flip(0.5), T.grid_sample(0.25, mode="train"),
                           T.center_shift(apply_z=False), T.assemble_feat(("coord", "intensity")))

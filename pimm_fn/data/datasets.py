@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_write
-from .fetch import data_root, require
+from .fetch import require
 
 # --------------------------------------------------------------------------- helpers
 

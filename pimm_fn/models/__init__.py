@@ -10,8 +10,8 @@ log-probabilities of actions.
 """
 from .image import ImageClassifier, MLPClassifier
 from .point_seg import PointSegNet, batch_index, voxel_groups
-from .ptv3 import PTv3, PTv3Collate, layer_decay_groups
 from .policies import CategoricalMLPPolicy, PointLabelPolicy, Policy, gumbel_sample, per_cloud_sum, take_log_prob
+from .ptv3 import PTv3, PTv3Collate, layer_decay_groups
 
 __all__ = [
     "PointSegNet",

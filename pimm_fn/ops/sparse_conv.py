@@ -187,4 +187,5 @@ class SubMConv3d(torch.nn.Module):
 
     def extra_repr(self) -> str:
         out_channels, *kernel, in_channels = self.weight.shape
-        return f"{in_channels}, {out_channels}, kernel_size={kernel}, dilation={self.dilation}, bias={self.bias is not None}"
+        return (f"{in_channels}, {out_channels}, kernel_size={kernel}, dilation={self.dilation}, "
+                f"bias={self.bias is not None}")

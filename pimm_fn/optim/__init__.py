@@ -5,8 +5,17 @@
 ``params = apply_updates(params, updates)``. Schedules live in :mod:`pimm_fn.schedules`.
 ``freeze(tx, "backbone.")`` fine-tunes with frozen params (torch's ``requires_grad=False``).
 """
-from .base import (GradientTransformation, Params, Schedule, ScalarOrSchedule, apply_updates, as_schedule, chain,
-                   frozen_names, update_and_apply)
+from .base import (
+                   GradientTransformation,
+                   Params,
+                   ScalarOrSchedule,
+                   Schedule,
+                   apply_updates,
+                   as_schedule,
+                   chain,
+                   frozen_names,
+                   update_and_apply,
+)
 from .freeze import Frozen, freeze, resolve_frozen
 from .groups import GroupedState, assign_groups, grouped
 from .torch_interop import from_torch_state_dict, to_torch_state_dict

@@ -27,7 +27,9 @@ def _check_reduction(reduction: str, max_length) -> None:
                 f"reduction={reduction!r} it would be ignored. Pass reduction='constant' or drop it."
             )
         if not isinstance(max_length, (int, float)) or max_length <= 0:
-            raise ValueError(f"max_length must be a positive number (e.g. the max generation length), got {max_length!r}")
+            raise ValueError(
+                f"max_length must be a positive number (e.g. the max generation length), got {max_length!r}"
+            )
 
 
 def masked_mean(

@@ -10,8 +10,8 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
     __import__("tempfile").gettempdir(), "pimm_fn_test_inductor_cache"))
 torch.set_num_threads(1)  # two ranks share two cores
 
-from pimm_fn.data.collate import collate  # noqa: E402
-from pimm_fn.data.loaders import build_train_loader  # noqa: E402
+from pimm_fn.data.collate import collate
+from pimm_fn.data.loaders import build_train_loader
 
 IN, OUT = 8, 4
 

@@ -7,9 +7,9 @@ clipping, loss scaling); three steps compiled and eager.
 import os
 import time
 
+import _common as C
 import torch
 
-import _common as C
 import pimm_fn.distributed as D
 from pimm_fn.compile import compile_step, explain_step
 from pimm_fn.data import DeviceLoader

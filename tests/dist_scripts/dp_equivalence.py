@@ -5,9 +5,9 @@ Launched by tests/test_distributed_torchrun.py under torchrun; writes results.js
 import os
 import time
 
+import _common as C
 import torch
 
-import _common as C
 import pimm_fn.distributed as D
 from pimm_fn.state import TrainState
 from pimm_fn.steps.supervised import supervised
@@ -91,9 +91,7 @@ def main():
         torch.manual_seed(0)
         state = TrainState.create(C.MLP(bn=True), C.optimizer("sgd", 0.05), seed=0)
         step = D.data_parallel(sync_buffers=sync)
-        local_means = []
         for batch in list(C.loader(data, B, ctx.rank, ctx.world_size).iter_epoch(0))[:3]:
-            before = state.buffers["bn.running_mean"]
             state, _ = step(state, batch)
         try:
             D.assert_in_sync(state.buffers, what="buffers")

@@ -13,9 +13,9 @@ under test: where the gradients are summed.
 """
 import os
 
+import _common as C
 import torch
 
-import _common as C
 import pimm_fn.distributed as D
 from pimm_fn import optim
 from pimm_fn.compile import compile_step

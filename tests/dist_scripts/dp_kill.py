@@ -8,9 +8,8 @@ import signal
 import sys
 import time
 
-import torch
-
 import _common as C
+
 import pimm_fn.distributed as D
 from pimm_fn.state import TrainState
 

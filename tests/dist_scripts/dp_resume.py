@@ -11,9 +11,9 @@ per-rank batch's statistics, so 2 x b and 1 x 2b differ by design (docs/distribu
 import os
 import sys
 
+import _common as C
 import torch
 
-import _common as C
 import pimm_fn.distributed as D
 from pimm_fn.checkpoint import CheckpointDir, restore
 from pimm_fn.state import TrainState

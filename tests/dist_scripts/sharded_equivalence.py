@@ -11,10 +11,10 @@ skips the step on both. Writes sharded_results.json.
 import os
 import time
 
+import _common as C
 import torch
 from torch.distributed.tensor import DTensor
 
-import _common as C
 import pimm_fn.distributed as D
 import pimm_fn.sharding as S
 from pimm_fn.compile import compile_step, explain_step

@@ -10,10 +10,10 @@ A 1-rank resume also restores the checkpoint into a plain unsharded state
 import os
 import sys
 
+import _common as C
 import torch
 from torch.distributed.tensor import DTensor
 
-import _common as C
 import pimm_fn.distributed as D
 import pimm_fn.sharding as S
 from pimm_fn.state import TrainState

@@ -3,9 +3,9 @@ split 2, 2, 1, 0: rank 3 holds empty shards of fc1 / bn (a DTensor with 0 local 
 Writes sharded_world4.json (every rank's local rows, compile count, max param diff)."""
 import os
 
+import _common as C
 import torch
 
-import _common as C
 import pimm_fn.distributed as D
 import pimm_fn.sharding as S
 from pimm_fn.compile import compile_step

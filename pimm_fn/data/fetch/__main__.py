@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from pimm_fn.data.fetch import SOURCES, __doc__ as _doc, fetch
+from pimm_fn.data.fetch import SOURCES, fetch
+from pimm_fn.data.fetch import __doc__ as _doc
 
 
 def main(argv=None) -> int:
