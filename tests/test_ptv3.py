@@ -9,12 +9,20 @@ import pytest
 import torch
 
 from pimm_fn import TrainState, fit, recipes
-from pimm_fn.callbacks import Checkpoint, on, resume
 from pimm_fn import events as ev
+from pimm_fn.callbacks import Checkpoint, on, resume
 from pimm_fn.compile import compile_step, explain_step
 from pimm_fn.models.ptv3 import PTv3, _NeighbourGather, layer_decay_groups
-from pimm_fn.models.serialization import (ORDERS, TopologySpec, grid_pool, hilbert_code,
-                                          neighbour_map, patch_slots, serial_code, z_order_code)
+from pimm_fn.models.serialization import (
+    ORDERS,
+    TopologySpec,
+    grid_pool,
+    hilbert_code,
+    neighbour_map,
+    patch_slots,
+    serial_code,
+    z_order_code,
+)
 from pimm_fn.steps.parallel import data_parallel
 from pimm_fn.tree import tree_leaves
 
@@ -145,7 +153,7 @@ def lidar():
 
     try:
         dataset = LidarBlocks("train")
-    except Exception as err:  # noqa: BLE001 - the data set is not fetched here
+    except Exception as err:
         pytest.skip(str(err))
     # One thread for the whole module: the compiled kernels keep the thread count they were
     # built with, and the backward's scatter-adds sum in thread order on more than one.
