@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from .. import torch_compat
 from .base import Callback, due
 
 
@@ -54,7 +55,7 @@ class Trace(Callback):
         self.records.append(rec)
         if len(self.records) > self.keep:
             del self.records[: len(self.records) - self.keep]
-        if torch._C._autograd._profiler_enabled():
+        if torch_compat.profiler_enabled():
             label = name if kind == "instant" else f"{name} " + " ".join(f"{k}={v}" for k, v in fields.items())
             with torch.profiler.record_function(f"{kind}.{label}"):
                 pass

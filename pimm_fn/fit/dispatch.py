@@ -11,6 +11,7 @@ import attrs
 import torch
 
 from .. import events as ev
+from .. import torch_compat
 from ..callbacks.base import callback_name, handles
 
 __all__ = ["Dispatcher", "StateMutationError"]
@@ -24,7 +25,7 @@ class StateMutationError(RuntimeError):
 
 
 def _profiling() -> bool:
-    return torch._C._autograd._profiler_enabled()
+    return torch_compat.profiler_enabled()
 
 
 class Dispatcher:
