@@ -3,7 +3,7 @@
 For each model, five fresh Python processes run in sequence, each timing the first call(s)
 of ``compile_step(steps.supervised(clip_grad=1.0))`` (import time is reported apart):
 
-1. first_ever  empty inductor cache, no ISA-probe memo (a new machine, or PIMM_FN_ISA_MEMO=0)
+1. first_ever  empty inductor cache, no ISA-probe memo file yet (a new machine)
 2. cold        empty inductor cache; the ISA-probe memo written by run 1 (any later compile)
 3. warm        a second process on run 2's inductor cache (dynamo still traces)
 4. cold+save   empty inductor cache, ``cache=DIR``: compiles through aot_compile and saves
@@ -13,11 +13,15 @@ mlp: the MLP 64-256-10 step of benchmarks/overhead.py (batch 256). pointseg: Poi
 variable-size point batches (pimm_fn/bench/workloads.py); its figure is the first two calls
 (the second compiles the dynamic point count; a loaded static step falls back to dynamo there).
 ptv3: the PTv3-class backbone of the ptv3 workload on two real LiDAR batches (their
-topology from the collate); its figure is the first two calls.
+topology from the collate); its figure is the first two calls. ptv3_default: ``PTv3(4, 3)``
+with the constructor's defaults (5 levels, 22 blocks, 32-512 channels, drop path 0.3) on two
+such batches with its 5-level topology. After the first calls each child also times
+``--steps`` more steps (median ``step_s``).
 
     python benchmarks/compile_time.py                 # mlp, pointseg -> results/compile_time.{json,txt}
     python benchmarks/compile_time.py --models mlp
     python benchmarks/compile_time.py --models ptv3 --runs cold,warm --json benchmarks/results/compile_time_ptv3.json
+    python benchmarks/compile_time.py --models ptv3_default --runs cold --threads 1 --steps 5
 
 Read the load average printed with the table: compile times on a busy machine are noise.
 """
@@ -37,14 +41,40 @@ RESULTS = os.path.join(HERE, "results")
 RUNS = ("first_ever", "cold", "warm", "cold+save", "warm+load")
 
 
-def _child(model: str, cache: str | None) -> dict:
+def _ptv3_default_workload():
+    # The workload's LiDAR batches, with the topology of PTv3's default (5-level) spec.
+    import torch
+
+    from pimm_fn import TrainState
+    from pimm_fn.bench import workloads
+    from pimm_fn.data import LidarBlocks, build_train_loader
+    from pimm_fn.data import transforms as T
+    from pimm_fn.models.ptv3 import PTv3, PTv3Collate
+
+    torch.manual_seed(0)
+    model = PTv3(4, 3)
+    transform = T.compose(T.random_rotate(axis="z"), T.random_flip(0.5), T.grid_sample(0.25, mode="train"),
+                          T.center_shift(apply_z=False), T.assemble_feat(("coord", "intensity")))
+    loader = build_train_loader(LidarBlocks("train"), batch_size=4, seed=0, transform=transform,
+                                collate_fn=PTv3Collate(model.spec))
+    batches = list(loader.iter_epoch(0, 0))[:2]
+    tx, _ = workloads.make_optimizer()
+    return TrainState.create(model, tx), batches
+
+
+def _child(model: str, cache: str | None, threads: int = 0, steps_after: int = 0) -> dict:
     t0 = time.perf_counter()
     import torch
 
     from pimm_fn import compile_step, steps
 
+    if threads:
+        torch.set_num_threads(threads)
     imported = time.perf_counter() - t0
-    if model == "mlp":
+    if model == "ptv3_default":
+        sys.path.insert(0, ROOT)
+        state, batches = _ptv3_default_workload()
+    elif model == "mlp":
         sys.path.insert(0, HERE)
         from overhead import _mlp_setup
 
@@ -61,24 +91,35 @@ def _child(model: str, cache: str | None) -> dict:
     for b in batches:
         state, metrics = step(state, b)
     float(metrics["loss"])
-    return {"import_s": imported, "first_calls_s": time.perf_counter() - t, "calls": len(batches),
+    first = time.perf_counter() - t
+    times = []
+    for i in range(steps_after):
+        t = time.perf_counter()
+        state, metrics = step(state, batches[i % len(batches)])
+        float(metrics["loss"])
+        times.append(time.perf_counter() - t)
+    return {"import_s": imported, "first_calls_s": first, "calls": len(batches),
+            "step_s": sorted(times)[len(times) // 2] if times else None, "step_times_s": times,
             "compile_count": step.compile_count, "loaded_from_cache": step.loaded_from_cache,
             "threads": torch.get_num_threads()}
 
 
-def _spawn(model: str, env: dict, cache: str | None) -> dict:
+def _spawn(model: str, env: dict, cache: str | None, threads: int = 0, steps_after: int = 0) -> dict:
     code = (f"import sys, json; sys.path.insert(0, {HERE!r}); import compile_time as c; "
-            f"print(json.dumps(c._child({model!r}, {cache!r})))")
+            f"print(json.dumps(c._child({model!r}, {cache!r}, {threads!r}, {steps_after!r})))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"{model} probe failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure(model: str, runs=RUNS) -> dict:
+def measure(model: str, runs=RUNS, threads: int = 0, steps_after: int = 0) -> dict:
     with tempfile.TemporaryDirectory(prefix="pimm_fn_compile_time_") as tmp:
         d = lambda name: os.path.join(tmp, name)  # noqa: E731
-        base = {k: v for k, v in os.environ.items() if k not in ("PIMM_FN_ISA_MEMO",)}
+        # The ISA-probe memo on (opt-in): run 1's empty home folder probes and writes it.
+        base = {**os.environ, "PIMM_FN_ISA_MEMO": "1"}
+        if threads:
+            base["OMP_NUM_THREADS"] = str(threads)
         base["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p])
         plan = {
             "first_ever": (dict(XDG_CACHE_HOME=d("home"), TORCHINDUCTOR_CACHE_DIR=d("ind1")), None),
@@ -91,8 +132,9 @@ def measure(model: str, runs=RUNS) -> dict:
         for run in runs:
             env, cache = plan[run]
             load = [round(x, 2) for x in os.getloadavg()]
-            out[run] = {**_spawn(model, {**base, **env}, cache), "load_before": load}
-            print(f"  {model} {run}: {out[run]['first_calls_s']:.2f} s (load {load[0]})", flush=True)
+            out[run] = {**_spawn(model, {**base, **env}, cache, threads, steps_after), "load_before": load}
+            step = f", step {out[run]['step_s'] * 1e3:.0f} ms" if out[run].get("step_s") else ""
+            print(f"  {model} {run}: {out[run]['first_calls_s']:.2f} s{step} (load {load[0]})", flush=True)
         return out
 
 
@@ -115,13 +157,16 @@ def main(argv=None) -> int:
     p.add_argument("--runs", default=",".join(RUNS), help=f"which of {','.join(RUNS)} (in that order: "
                    "warm needs cold, warm+load needs cold+save)")
     p.add_argument("--json", default=os.path.join(RESULTS, "compile_time.json"))
+    p.add_argument("--threads", type=int, default=0, help="torch threads in each child (0: torch's default)")
+    p.add_argument("--steps", type=int, default=0, help="steps timed after the first calls, in each child")
     args = p.parse_args(argv)
     sys.path.insert(0, HERE)
     from overhead import load, write_results
 
     res = {"load_before": load(), "models": {}}
     for model in args.models.split(","):
-        res["models"][model] = measure(model, tuple(r for r in RUNS if r in args.runs.split(",")))
+        res["models"][model] = measure(model, tuple(r for r in RUNS if r in args.runs.split(",")),
+                                       args.threads, args.steps)
     res["load_after"] = load()
     write_results(res, table(res), args.json)
     return 0

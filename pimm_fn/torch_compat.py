@@ -227,12 +227,6 @@ def graph_break_records(handler: logging.Handler):
     return records()
 
 
-def check_same_size(a, b, what: str = "sizes") -> None:
-    """Assert that two sizes are equal (``torch._check``): eager a plain check; traced, a
-    runtime assert that also lets the compiler treat two unbacked sizes as one symbol."""
-    torch._check(a == b, lambda: f"{what} differ")  # (a traced message may close over constants only)
-
-
 # ---------------------------------------------------------------------------------------
 # Multi-tensor ("foreach") kernels, for the optimizers' eager update (written for torch 2.13).
 #
