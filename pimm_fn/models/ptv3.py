@@ -117,7 +117,8 @@ class PatchAttention(nn.Module):
     def forward(self, x: torch.Tensor, patches: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         m, k = patches.shape
         c = x.shape[1]
-        qkv = self.qkv(x).index_select(0, patches.flatten()).reshape(m, k, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x).index_select(0, patches.flatten())
+        qkv = qkv.reshape(m, k, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # [M, H, K, d]
         out = out.transpose(1, 2).reshape(m * k, c).index_select(0, slots)
         return self.proj(out)
