@@ -374,3 +374,28 @@ def test_old_loss_scale_keyword_of_a_step_builder_names_the_new_one():
         grpo(sample=lambda p, b, g: None, reward=None, group_size=2, loss_scale=LossScaleConfig())
     step = supervised(loss_scale_config=LossScaleConfig(growth_interval=3))
     assert callable(step)
+
+
+def test_a_step_compiles_again_after_dynamo_is_reset_and_leaves_no_tracing_setting_behind():
+    # torch.compiler.reset() (a notebook's "start over") drops dynamo's compile callbacks,
+    # through which a step enters its tracing settings; the next call registers them again.
+    import torch._dynamo
+    import torch.fx.experimental._config as shape_config
+
+    state = TrainState.create(BNNet(), optim.sgd(lr=0.1), seed=3)
+    batch = make_batches(1)[0]
+    step = compile_step(supervised())
+    _, before = step(state, batch)
+    torch.compiler.reset()
+    _, after = step(state, batch)  # traces torch.autograd.grad again: needs trace_autograd_ops
+    assert step.compile_count == 2 and torch.equal(before["loss"], after["loss"])
+    assert torch._dynamo.config.trace_autograd_ops is False and shape_config.use_duck_shape is True
+    # a user's own compile outside a step call gets none of the step's settings
+    seen = {}
+
+    def probe(x):
+        seen["flag"] = torch._dynamo.config.trace_autograd_ops
+        return x + 1
+
+    torch.compile(probe, backend="eager", fullgraph=True)(torch.ones(2))
+    assert seen["flag"] is False
