@@ -9,6 +9,17 @@ _CACHE = os.environ.setdefault(
     "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "pimm_fn_test_inductor_cache")
 )
 
+import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny tensors: a second only adds spinning on a
+    busy machine. Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -22,6 +22,8 @@ from pimm_fn.optim import (
 from pimm_fn.schedules import one_cycle, one_cycle_momentum
 from pimm_fn.tree import tree_where
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 STEPS = 200
 TOL = 1e-5
 CLIP = 1.0
@@ -143,15 +145,6 @@ def detached(model):
 
 def max_diff(params, model):
     return max((params[n] - p.detach()).abs().max().item() for n, p in model.named_parameters())
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tensors are tiny: a second intra-op thread only adds spinning on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

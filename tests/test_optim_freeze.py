@@ -12,6 +12,8 @@ from pimm_fn.steps import supervised
 from pimm_fn.steps.common import forward_backward
 from pimm_fn.tree import tree_leaves
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TOTAL = 30
 CLIP = 0.25
 FROZEN = "backbone."
@@ -78,14 +80,6 @@ def torch_run(model, batches, grouped=False):
         opt.step()
         sched.step()
     return norms
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
