@@ -6,8 +6,11 @@ of ``compile_step(steps.supervised(clip_grad=1.0))`` (import time is reported ap
 1. first_ever  empty inductor cache, no ISA-probe memo file yet (a new machine)
 2. cold        empty inductor cache; the ISA-probe memo written by run 1 (any later compile)
 3. warm        a second process on run 2's inductor cache (dynamo still traces)
-4. cold+save   empty inductor cache, ``cache=DIR``: compiles through aot_compile and saves
+4. cold+save   empty inductor cache, the step cache on (the default): compiles through
+               aot_compile and saves
 5. warm+load   a second process on run 4's caches: loads the saved step (no dynamo)
+
+Runs 1-3 turn the step cache off (``cache=False``).
 
 mlp: the MLP 64-256-10 step of benchmarks/overhead.py (batch 256). pointseg: PointSegNet on
 variable-size point batches (pimm_fn/bench/workloads.py); its figure is the first two calls
@@ -62,7 +65,7 @@ def _ptv3_default_workload():
     return TrainState.create(model, tx), batches
 
 
-def _child(model: str, cache: str | None, threads: int = 0, steps_after: int = 0) -> dict:
+def _child(model: str, cache, threads: int = 0, steps_after: int = 0) -> dict:
     t0 = time.perf_counter()
     import torch
 
@@ -104,7 +107,7 @@ def _child(model: str, cache: str | None, threads: int = 0, steps_after: int = 0
             "threads": torch.get_num_threads()}
 
 
-def _spawn(model: str, env: dict, cache: str | None, threads: int = 0, steps_after: int = 0) -> dict:
+def _spawn(model: str, env: dict, cache, threads: int = 0, steps_after: int = 0) -> dict:
     code = (f"import sys, json; sys.path.insert(0, {HERE!r}); import compile_time as c; "
             f"print(json.dumps(c._child({model!r}, {cache!r}, {threads!r}, {steps_after!r})))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
@@ -122,9 +125,9 @@ def measure(model: str, runs=RUNS, threads: int = 0, steps_after: int = 0) -> di
             base["OMP_NUM_THREADS"] = str(threads)
         base["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p])
         plan = {
-            "first_ever": (dict(XDG_CACHE_HOME=d("home"), TORCHINDUCTOR_CACHE_DIR=d("ind1")), None),
-            "cold": (dict(XDG_CACHE_HOME=d("home"), TORCHINDUCTOR_CACHE_DIR=d("ind2")), None),
-            "warm": (dict(XDG_CACHE_HOME=d("home"), TORCHINDUCTOR_CACHE_DIR=d("ind2")), None),
+            "first_ever": (dict(XDG_CACHE_HOME=d("home"), TORCHINDUCTOR_CACHE_DIR=d("ind1")), False),
+            "cold": (dict(XDG_CACHE_HOME=d("home"), TORCHINDUCTOR_CACHE_DIR=d("ind2")), False),
+            "warm": (dict(XDG_CACHE_HOME=d("home"), TORCHINDUCTOR_CACHE_DIR=d("ind2")), False),
             "cold+save": (dict(XDG_CACHE_HOME=d("home"), TORCHINDUCTOR_CACHE_DIR=d("ind3")), d("steps")),
             "warm+load": (dict(XDG_CACHE_HOME=d("home"), TORCHINDUCTOR_CACHE_DIR=d("ind3")), d("steps")),
         }

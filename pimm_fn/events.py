@@ -40,9 +40,9 @@ class TrainStart(Event):
 
     epoch / position: the cursor the run starts from (position = batches already consumed
     in that epoch); resumed: the state had made progress before this call.
-    loader / callbacks / history: the training loader, the callback list and the run's
-    :class:`~pimm_fn.fit.History` (or None), for callbacks that save or restore their
-    state (Checkpoint).
+    loader / callbacks / history / step_fn: the training loader, the callback list, the
+    run's :class:`~pimm_fn.fit.History` (or None) and the step function, for callbacks that
+    save or restore their state (Checkpoint).
     """
 
     epoch: int
@@ -54,6 +54,7 @@ class TrainStart(Event):
     loader: Any = attrs.field(default=None, repr=False, eq=False)
     callbacks: tuple = attrs.field(default=(), repr=False, eq=False)
     history: Any = attrs.field(default=None, repr=False, eq=False)
+    step_fn: Any = attrs.field(default=None, repr=False, eq=False)
 
 
 @_frozen

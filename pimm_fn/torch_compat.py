@@ -10,17 +10,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 
 import torch
 import torch.fx.experimental._config as _shape_config
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, guard_or_true
 
 __all__ = ["clear_unbacked", "compilation_reasons", "compiled_graph_count", "cpu_vec_isa_class",
-           "dynamo_compile_hooks", "dynamo_config", "dynamo_counters", "graph_break_count", "graph_break_records",
-           "guard_or_true", "inductor_config", "inductor_mode_options", "is_compiled_module",
-           "is_data_dependent_error", "is_dynamo_unsupported", "is_marked_dynamic", "mark_backed", "mark_dynamic",
-           "mark_unbacked", "profiler_enabled", "reset_dynamo", "step_tracing_config", "tensorify_restart_error",
-           "uncompiled_module"]
+           "dynamo_compile_hooks", "dynamo_config", "dynamo_counters", "generator_untouched_by_this_thread",
+           "graph_break_count", "graph_break_records", "guard_or_true", "inductor_config", "inductor_mode_options",
+           "is_compiled_module", "is_data_dependent_error", "is_dynamo_unsupported", "is_marked_dynamic",
+           "mark_backed", "mark_dynamic", "mark_unbacked", "profiler_enabled", "reset_dynamo", "step_tracing_config",
+           "tensorify_restart_error", "unbacked_dims", "uncompiled_module"]
 
 TORCH_VERSION_WRITTEN_FOR = "2.13"
 
@@ -49,6 +50,10 @@ def clear_unbacked(t: torch.Tensor) -> None:
     for name in ("_dynamo_unbacked_indices", "_dynamo_unbacked_bounds", "_specialize_on", "_dynamo_hint_overrides"):
         if hasattr(t, name):
             delattr(t, name)
+    if hasattr(t, "_has_dynamo_dim_marking") and not any(
+            hasattr(t, a) for a in ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices",
+                                    "_dynamo_strict_unbacked_indices", "_dynamo_static_indices")):
+        del t._has_dynamo_dim_marking
 
 
 def mark_backed(t: torch.Tensor, dim: int) -> None:
@@ -65,6 +70,11 @@ def mark_dynamic(t: torch.Tensor, dim: int, **bounds) -> None:
 def is_marked_dynamic(t: torch.Tensor) -> bool:
     """Whether ``t`` carries dims marked by :func:`mark_dynamic`."""
     return bool(getattr(t, "_dynamo_dynamic_indices", None))
+
+
+def unbacked_dims(t: torch.Tensor) -> frozenset:
+    """The dims of ``t`` marked by :func:`mark_unbacked`."""
+    return frozenset(getattr(t, "_dynamo_unbacked_indices", ()) or ())
 
 
 def is_data_dependent_error(err: BaseException) -> bool:
@@ -125,6 +135,48 @@ def cpu_vec_isa_class():
     from torch._inductor import cpu_vec_isa
 
     return cpu_vec_isa
+
+
+_QUIET_RNG_THREADS: set = set()
+_QUIET_RNG_LOCK = threading.Lock()
+_RNG_SETTERS: dict = {}
+
+
+@contextlib.contextmanager
+def generator_untouched_by_this_thread():
+    """While the block runs, this thread's calls of ``torch.random.set_rng_state`` (and
+    CUDA's) do nothing.
+
+    dynamo saves the global generator's state before each trace and sets it back after
+    (``convert_frame.preserve_global_state``). A compile in a background thread would so
+    rewind the generator under a step running in the main thread, between its seeding and
+    its dropout. Tracing with fake tensors draws nothing, so skipping the restore loses
+    nothing. Other threads' calls pass through; the wrappers are removed when the last
+    such block ends.
+    """
+    me = threading.get_ident()
+    with _QUIET_RNG_LOCK:
+        if not _QUIET_RNG_THREADS:
+            modules = [torch.random] + ([torch.cuda] if torch.cuda.is_available() else [])
+            for module in modules:
+                original = module.set_rng_state
+
+                def quiet(*args, _original=original, **kwargs):
+                    if threading.get_ident() not in _QUIET_RNG_THREADS:
+                        _original(*args, **kwargs)
+
+                _RNG_SETTERS[module] = original
+                module.set_rng_state = quiet
+        _QUIET_RNG_THREADS.add(me)
+    try:
+        yield
+    finally:
+        with _QUIET_RNG_LOCK:
+            _QUIET_RNG_THREADS.discard(me)
+            if not _QUIET_RNG_THREADS:
+                for module, original in _RNG_SETTERS.items():
+                    module.set_rng_state = original
+                _RNG_SETTERS.clear()
 
 
 def dynamo_compile_hooks(start, end):

@@ -218,3 +218,65 @@ def test_the_folder_is_bounded_least_recently_used_first(tmp_path, monkeypatch):
         step_cache.max_bytes()
     monkeypatch.setenv("PIMM_FN_STEP_CACHE_MAX_MB", "0.5")
     assert step_cache.max_bytes() == 1 << 19
+
+
+def test_the_cache_is_on_by_default_for_a_whole_step_and_the_environment_turns_it_off(tmp_path, monkeypatch):
+    monkeypatch.delenv("PIMM_FN_STEP_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    core = steps.supervised()
+    assert compile_step(core).cache_dir == tmp_path / "pimm_fn" / "steps"
+    for off in (compile_step(core, cache=False), compile_step(core, eager=True),
+                compile_step(core, fullgraph=False)):
+        assert off.cache_dir is None
+    monkeypatch.setenv("PIMM_FN_STEP_CACHE", str(tmp_path / "mine"))
+    assert compile_step(core).cache_dir == tmp_path / "mine"
+    monkeypatch.setenv("PIMM_FN_STEP_CACHE", "off")
+    assert compile_step(core).cache_dir is None
+    assert compile_step(core, cache=True).cache_dir == tmp_path / "pimm_fn" / "steps"
+
+
+class _PointHead(torch.nn.Module):
+    """A point model: per-point layers, a per-cloud mean through ``offset``, a cloud label."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 16)
+        self.out = torch.nn.Linear(32, 3)
+
+    def forward(self, batch):
+        h = torch.relu(self.fc(batch["feat"]))
+        offset = batch["offset"]
+        counts = torch.diff(offset, prepend=offset.new_zeros(1))
+        cloud = torch.repeat_interleave(torch.arange(offset.shape[0]), counts, output_size=h.shape[0])
+        means = torch.zeros(offset.shape[0], 16).index_add_(0, cloud, h) / counts[:, None]
+        logits = self.out(torch.cat([h, means[cloud]], dim=1))
+        return {"loss": torch.nn.functional.cross_entropy(logits, batch["segment"])}
+
+
+def _points(sizes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(sizes)
+    return {"feat": torch.randn(n, 4, generator=g), "segment": torch.randint(0, 3, (n,), generator=g),
+            "offset": torch.tensor(sizes).cumsum(0)}
+
+
+@pytest.mark.usefixtures("one_thread")  # the gather's backward scatters: bitwise only on one thread
+def test_one_saved_point_step_serves_every_point_count_in_the_next_process(tmp_path):
+    def fresh():
+        torch.manual_seed(2)
+        return TrainState.create(_PointHead(), optim.adamw(schedules.one_cycle(100, 1e-3)), seed=0)
+
+    batches = [_points(s, seed=i) for i, s in enumerate([(70, 50), (33, 91), (120, 7), (64, 64)])]
+    first = compile_step(steps.supervised(), cache=tmp_path)
+    state_a, _ = _run(first, fresh(), batches)
+    assert first.compile_count == 1 and not first.loaded_from_cache, first.recompile_reasons
+    assert len(list(tmp_path.glob("*.pt2step"))) == 1
+    again = compile_step(steps.supervised(), cache=tmp_path)
+    state_b, _ = _run(again, fresh(), batches)
+    assert again.loaded_from_cache and again.compile_count == 0, again.recompile_reasons
+    for k in state_b.params:  # the same kernels: bitwise what the process that saved it computed
+        assert torch.equal(state_a.params[k], state_b.params[k])
+    b = _points((9, 200), seed=9)  # a point count neither process has seen
+    new, m = again(state_b, b)
+    ref, m_ref = steps.supervised()(state_b, b)
+    assert again.compile_count == 0 and torch.allclose(m["loss"], m_ref["loss"], atol=1e-6)

@@ -3,7 +3,8 @@
 Checkpoints go through :mod:`pimm_fn.checkpoint` (atomic files, a ``latest`` pointer),
 named ``step_<n>.ckpt`` in ``directory``. Besides the TrainState each holds, in ``extra``:
 ``{"checkpoint": {metric, mode, best, best_step}, "loader": loader.state_dict() or None,
-"callbacks": {key: cb.state_dict()}}``; :func:`resume` puts all of it back.
+"callbacks": {key: cb.state_dict()}, "step": step_fn.state_dict() or None}``; :func:`resume`
+puts all of it back.
 """
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ class Checkpoint(Callback):
         self.best_step: Optional[int] = None
         self.last_saved_step: Optional[int] = None
         self.last_path: Optional[Path] = None
-        self._loader = None
+        self._loader = self._step_fn = None
         self._callbacks: Sequence = ()
         self.background = background
         self._writer: Optional[ThreadPoolExecutor] = None
@@ -96,11 +97,13 @@ class Checkpoint(Callback):
 
     def _extra(self) -> dict:
         loader_sd = getattr(self._loader, "state_dict", None)
+        step_sd = getattr(self._step_fn, "state_dict", None)  # a background-compiled step's switch
         keys = _callback_keys(self._callbacks)
         history = getattr(self, "_history", None)
         return {
             "checkpoint": self.state_dict(),
             "loader": loader_sd() if callable(loader_sd) else None,
+            "step": step_sd() if callable(step_sd) else None,
             "history": history.state_dict() if history is not None else None,
             "callbacks": {keys[id(cb)]: cb.state_dict() for cb in self._callbacks
                           if id(cb) in keys and cb is not self and cb.state_dict() is not None},
@@ -160,6 +163,7 @@ class Checkpoint(Callback):
 
     def on_train_start(self, event, state):
         self._loader, self._callbacks, self._history = event.loader, event.callbacks, event.history
+        self._step_fn = event.step_fn
 
     def on_step_end(self, event, state):
         done = self._finished(wait=False) if self._pending else []
@@ -243,14 +247,16 @@ def restore_latest(directory, like):
     return ckpt.restore(path, like)
 
 
-def resume(path, like, *, loader=None, callbacks: Sequence = (), must_exist: bool = False, history=None):
+def resume(path, like, *, loader=None, callbacks: Sequence = (), must_exist: bool = False, history=None,
+           step=None):
     """The state to (re)start a run from: the latest checkpoint in ``path``, else ``like``.
 
     path: a checkpoint folder (its latest complete checkpoint is used; none yet -> ``like``,
         a fresh run) or one checkpoint file.
     like: the fresh state (same model and optimizer) that gives the structure.
-    loader / callbacks: their saved state (``extra["loader"]``, ``extra["callbacks"]``,
-        the Checkpoint's best metric) is loaded back into them.
+    loader / callbacks / step: their saved state (``extra["loader"]``, ``extra["callbacks"]``,
+        the Checkpoint's best metric, the step index at which a ``compile_step(...,
+        background=True)`` step switched to its compiled graph) is loaded back into them.
     must_exist: raise instead of starting fresh when ``path`` holds no checkpoint.
     history: a :class:`pimm_fn.History` to fill with the run's step metrics up to the
         checkpoint (carried in the checkpoint; steps a killed run made after it are not
@@ -278,6 +284,8 @@ def resume(path, like, *, loader=None, callbacks: Sequence = (), must_exist: boo
         history.load_state_dict(extra["history"])
     if loader is not None and extra.get("loader") is not None and callable(getattr(loader, "load_state_dict", None)):
         loader.load_state_dict(extra["loader"])
+    if step is not None and extra.get("step") is not None and callable(getattr(step, "load_state_dict", None)):
+        step.load_state_dict(extra["step"])
     saved = extra.get("callbacks") or {}
     keys = _callback_keys(callbacks)
     for cb in callbacks:

@@ -1,11 +1,15 @@
 """A disk cache of compiled steps: a second process loads the step instead of tracing it.
 
-``compile_step(step, cache=True)`` (or ``cache=DIR``) compiles the step's first call with
-dynamo's precompile API (``torch.compile(...).aot_compile``), saves the result under a key,
-and a later process with the same key loads it (``torch.compiler.load_compiled_function``)
-without running dynamo or AOTAutograd again. The kernels themselves are the inductor
-cache's (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_$USER``); without them
-a load still works and compiles the kernels again.
+A whole-step ``compile_step`` uses it by default (``cache=None``: the folder named by
+``$PIMM_FN_STEP_CACHE``, ``off`` to disable, else ``~/.cache/pimm_fn/steps``); ``cache=True``
+or ``cache=DIR`` ask for it explicitly, ``cache=False`` turns it off. The step's first call
+is compiled with dynamo's precompile API (``torch.compile(...).aot_compile``), saved under
+a key, and a later process with the same key loads it
+(``torch.compiler.load_compiled_function``) without running dynamo or AOTAutograd again.
+A point batch's unbacked point dims are left out of the key: one artifact serves every
+point count. The kernels themselves are the inductor cache's (``TORCHINDUCTOR_CACHE_DIR``,
+default ``/tmp/torchinductor_$USER``); without them a load still works and compiles the
+kernels again.
 
 The folder is bounded: after each save, the least recently used artifacts (a load
 refreshes an artifact's time) are removed until it holds at most
@@ -47,9 +51,27 @@ def default_dir() -> pathlib.Path:
     return pathlib.Path(root) / "pimm_fn" / "steps"
 
 
+_ENV = "PIMM_FN_STEP_CACHE"
+_OFF = ("0", "off", "false", "no", "none")
+
+
+def auto_dir() -> Optional[pathlib.Path]:
+    """The folder a step uses when compile_step's ``cache`` is left None: ``$PIMM_FN_STEP_CACHE``
+    (``off`` disables the cache) or :func:`default_dir`."""
+    raw = os.environ.get(_ENV, "").strip()
+    if not raw:
+        return default_dir()
+    if raw.lower() in _OFF:
+        return None
+    return pathlib.Path(raw).expanduser()
+
+
 def resolve_dir(cache) -> Optional[pathlib.Path]:
-    """``cache`` as given to compile_step: None/False (off), True (the default folder) or a folder."""
-    if cache is None or cache is False:
+    """``cache`` as given to compile_step: None (:func:`auto_dir`), False (off), True (the
+    default folder) or a folder."""
+    if cache is None:
+        return auto_dir()
+    if cache is False:
         return None
     if cache is True:
         return default_dir()
@@ -232,7 +254,8 @@ def fingerprint(core, state) -> str:
 def leaves_key(inner_state, batch, shapes: bool = True) -> str:
     """Paths, dtypes, devices, and (``shapes``) shapes and strides of the traced inputs.
 
-    A step compiled ``dynamic=True`` leaves shapes out: its artifact serves any size its
+    Dims marked unbacked (a point batch's point counts) are left out of the shapes: the
+    artifact serves every size. A step compiled ``dynamic=True`` leaves shapes out: its artifact serves any size its
     own guards accept, and rejects (falls back to compiling) the rest."""
     import optree
 
@@ -240,7 +263,9 @@ def leaves_key(inner_state, batch, shapes: bool = True) -> str:
     parts = []
     for p, leaf in zip(paths, leaves):
         if isinstance(leaf, torch.Tensor):
-            size = (tuple(leaf.shape), tuple(leaf.stride())) if shapes else leaf.dim()
+            unbacked = torch_compat.unbacked_dims(leaf)  # traced as any size: not part of the key
+            shape = tuple(None if d in unbacked else n for d, n in enumerate(leaf.shape))
+            size = (shape, tuple(leaf.stride())) if shapes else leaf.dim()
             parts.append((str(p), size, str(leaf.dtype), str(leaf.device), leaf.requires_grad))
         else:
             parts.append((str(p), type(leaf).__name__, repr(leaf)))
@@ -376,23 +401,31 @@ class Precompiled:
     its artifact's path, whether it was loaded, and the example batch's shapes."""
 
     fn: object
-    path: pathlib.Path
+    path: Optional[pathlib.Path]
     loaded: bool
     first_shapes: object
 
 
-def precompiled_step(core, name: str, state, batch, directory: pathlib.Path, *, dynamic, patches: dict,
-                     settings: str) -> Precompiled:
-    """The step from the cache, or compiled now through dynamo's precompile API and saved there."""
+def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.Path], *, dynamic,
+                     patches: dict, settings: str, quiet: bool = False) -> Precompiled:
+    """The step from the cache, or compiled now through dynamo's precompile API and saved there.
+
+    directory: None compiles without the cache (nothing loaded or saved): the precompile
+        API compiles without running the step, which a background compile needs.
+    quiet: the cache is on by default rather than asked for; a step that cannot be saved
+        then compiles as without a cache, silently.
+    """
     import warnings
 
     inner = state.replace(rng=None, cursor=None)
     first_shapes = shapes_of(batch)
-    key = hashlib.sha256("|".join((
-        fingerprint(core, state), leaves_key(inner, batch, shapes=dynamic is not True), settings,
-    )).encode()).hexdigest()
-    path = artifact_path(directory, name, key)
-    if path.exists():
+    path = None
+    if directory is not None:
+        key = hashlib.sha256("|".join((
+            fingerprint(core, state), leaves_key(inner, batch, shapes=dynamic is not True), settings,
+        )).encode()).hexdigest()
+        path = artifact_path(directory, name, key)
+    if path is not None and path.exists():
         try:
             fn = load(path, core, patches)
             os.utime(path)  # recently used: pruning removes the least recently used first
@@ -405,8 +438,8 @@ def precompiled_step(core, name: str, state, batch, directory: pathlib.Path, *, 
     # then be static or dynamic by the process's history. It is static (its key holds the
     # shapes) unless the step is dynamic=True or the batch carries mark_dynamic'ed dims; a
     # new shape fails its guards and compiles as without a cache, the changed dims dynamic.
-    if dynamic is None and not any(torch_compat.is_marked_dynamic(t) for t in tree_leaves(batch)
-                                   if isinstance(t, torch.Tensor)):
+    if dynamic is None and not any(torch_compat.is_marked_dynamic(t) or torch_compat.unbacked_dims(t)
+                                   for t in tree_leaves(batch) if isinstance(t, torch.Tensor)):
         dynamic = False
     compiled = torch.compile(core, fullgraph=True, dynamic=dynamic, options=patches or None)
     fn = None
@@ -421,14 +454,23 @@ def precompiled_step(core, name: str, state, batch, directory: pathlib.Path, *, 
             if attempt:
                 raise
         except Exception as err:  # not precompilable: compile as without a cache
+            if directory is None:
+                raise
+            if quiet or torch_compat.is_data_dependent_error(err):
+                # (a model reading a point count: compile_step retries with guarded sizes, and says so)
+                return Precompiled(None, path, False, first_shapes)
             first_line = str(err).splitlines()[0] if str(err) else ""
             warnings.warn(f"the step cannot be saved to the cache ({type(err).__name__}: {first_line}); it "
                           "compiles as usual, and the next process compiles it again", RuntimeWarning, stacklevel=4)
             return Precompiled(None, path, False, first_shapes)
+    if path is None:
+        return Precompiled(fn, path, False, first_shapes)
     try:
         save(fn, path)
         prune(directory, keep=path)
     except Exception as err:  # a read-only or full disk: run without saving
+        if quiet:
+            return Precompiled(fn, path, False, first_shapes)
         warnings.warn(f"could not save the compiled step to {path} ({type(err).__name__}: {err}); "
                       "the next process compiles it again", RuntimeWarning, stacklevel=4)
     return Precompiled(fn, path, False, first_shapes)

@@ -16,6 +16,10 @@ with dynamo's counter and their reasons read from its compilation records.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import sys
+import threading
 import time
 import warnings
 from typing import Optional
@@ -23,7 +27,7 @@ from typing import Optional
 import torch
 
 from .. import torch_compat
-from ..state import TrainState
+from ..state import TrainState, structure_only
 from ..tree import tree_leaves
 from . import cache as step_cache
 from . import isa_memo
@@ -51,6 +55,34 @@ def _on_compile_end():
 _ensure_compile_hooks = None  # torch_compat.dynamo_compile_hooks(...), made with the first compiled step
 
 
+_SLICES_LOCK = threading.Lock()
+_SLICES = {"running": 0, "saved": 0.005}  # background compiles running; the interval to restore
+_COMPILE_SLICE_S = 1e-4
+
+
+@contextlib.contextmanager
+def _short_gil_slices():
+    """A short interpreter switch interval while a background compile runs.
+
+    The compile is Python holding the GIL; an eager step gives the GIL up in every kernel
+    and waits to get it back, by default up to 5 ms each time, hundreds of times a step.
+    With 0.1 ms slices eager steps beside a compile run ~3x faster and the compile no
+    slower (benchmarks/README.md, "Compiling behind eager steps").
+    """
+    with _SLICES_LOCK:
+        if not _SLICES["running"]:
+            _SLICES["saved"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_SLICES["saved"], _COMPILE_SLICE_S))
+        _SLICES["running"] += 1
+    try:
+        yield
+    finally:
+        with _SLICES_LOCK:
+            _SLICES["running"] -= 1
+            if not _SLICES["running"]:
+                sys.setswitchinterval(_SLICES["saved"])
+
+
 class CompiledStep:
     """A :class:`Step` compiled whole (``fullgraph=True``) or in regions, counting its compilations.
 
@@ -64,7 +96,17 @@ class CompiledStep:
 
     def __init__(self, step: Step, *, eager: bool = False, dynamic: Optional[bool] = None,
                  mode: Optional[str] = None, options: Optional[dict] = None,
-                 recompile_limit: Optional[int] = None, cache=None, fullgraph: bool = True):
+                 recompile_limit: Optional[int] = None, cache=None, fullgraph: bool = True,
+                 background: bool = False, switch_at: Optional[int] = None):
+        if background and (eager or not fullgraph):
+            raise ValueError(
+                "compile_step(background=True) compiles one whole-step graph behind eager steps; it cannot "
+                f"be combined with {'eager=True' if eager else 'fullgraph=False'}")
+        if switch_at is not None and (not background or isinstance(switch_at, bool)
+                                      or not isinstance(switch_at, int) or switch_at < 0):
+            raise ValueError(f"switch_at={switch_at!r}: it pins the step index at which a "
+                             "compile_step(background=True) step switches to the compiled graph; pass an int >= 0 "
+                             "together with background=True")
         if not fullgraph and not eager and cache not in (None, False):
             raise ValueError(
                 "compile_step(fullgraph=False) cannot use the step cache: the cache saves one whole-step "
@@ -73,13 +115,24 @@ class CompiledStep:
         self.step = step
         self.eager = eager
         self.fullgraph = fullgraph
-        self.cache_dir = None if eager else step_cache.resolve_dir(cache)
+        # Left None, the cache follows $PIMM_FN_STEP_CACHE for a whole-step compile and is
+        # off where it cannot serve (eager, regions, CUDA-graph replay).
+        self._cache_asked = cache is not None and cache is not False
+        self.cache_dir = None if eager or (cache is None and not fullgraph) else step_cache.resolve_dir(cache)
         self.cache_path: Optional[str] = None
         self.loaded_from_cache = False
         self.compile_count = 0
         self.recompile_reasons: list[str] = []
         self.compile_seconds: list[float] = []
         self.graph_breaks = 0
+        # Background mode: the step index (state.step) from which calls run compiled, once
+        # known (pinned, loaded from a checkpoint, or the first call after the compile).
+        self.background = background
+        self.switch_at = switch_at
+        self._pending = None  # the background compile, until a call takes its result
+        self._compile_args = None  # its (state, batch), until it starts
+        self._eager_model = None  # (the state's module, the eager calls' copy of it)
+        self._last_step = self._last_index = None  # the host's count of state.step
         self._dynamic = dynamic
         self._settings = repr((dynamic, mode, sorted((options or {}).items()), recompile_limit))
         self._called = False
@@ -90,6 +143,11 @@ class CompiledStep:
         self._patches = mode_patches(mode, dynamic, options)
         # CUDA graphs (reduce-overhead, max-autotune): see _run_whole.
         self._cudagraphs = not eager and bool(self._patches.get("triton.cudagraphs"))
+        if self._cudagraphs and not self._cache_asked:
+            self.cache_dir = None
+        if self._cudagraphs and background:
+            raise ValueError(f"compile_step(background=True, mode={mode!r}): CUDA-graph replay is not supported "
+                             "behind eager steps; use mode=None or background=False")
         self._core = step.core
         if eager:
             return
@@ -127,10 +185,21 @@ class CompiledStep:
         try:
             if first:
                 self._before_first_call(state, batch)
-            new_state, metrics = self._run(state, batch)
+            if self.background:
+                eager = not self._compiled_now(state)
+                if eager or first:
+                    graphs = None  # what compiles meanwhile is the background's, counted there
+                if eager:
+                    new_state, metrics = self._run_eager_beside_compile(state, batch)
+                else:
+                    new_state, metrics = self._run(state, batch)
+                self._last_step, self._last_index = new_state.step, self._last_index + 1
+                self._start_background()
+            else:
+                new_state, metrics = self._run(state, batch)
         finally:
             _CALLS -= 1
-        compiled = torch_compat.compiled_graph_count() - graphs
+        compiled = 0 if graphs is None else torch_compat.compiled_graph_count() - graphs
         if compiled:
             if first and self._regions is not None:
                 breaks = torch_compat.graph_break_count() - breaks
@@ -152,20 +221,110 @@ class CompiledStep:
                 f"{state.device}, where no CUDA graphs are recorded; the step compiles as in the default "
                 "mode (pass mode=None to silence this)", UserWarning, stacklevel=4)
             self._cudagraphs = False
-        if self._dynamic is None and self.cache_dir is None:
+        if self._dynamic is None:
             # Point counts symbolic from the first call. Regions trace them as guarded sizes:
             # unbacked ones fail on the host reads of sizes that mode exists for.
             self._points_marked = mark_point_batch_dynamic(batch, unbacked=self._regions is None)
+        if self.background:
+            # Started once this first call has returned (it runs with the CPU to itself), or
+            # at once where this call must already be compiled (switch_at pinned to it).
+            self._pending = concurrent.futures.Future()
+            self._compile_args = (state, batch)
+            return
         if self.cache_dir is not None:
             start = time.perf_counter()
             found = step_cache.precompiled_step(
                 self.step.core, self.step.name, state, batch, self.cache_dir,
-                dynamic=self._dynamic, patches=self._patches, settings=self._settings)
+                dynamic=self._dynamic, patches=self._patches, settings=self._settings, quiet=not self._cache_asked)
+            if found.fn is not None and self._points_marked:
+                # A saved step's guards reject marked inputs: its unbacked point dims are in
+                # the artifact, and this batch runs through it like any later one.
+                mark_point_batch_dynamic(batch, unbacked=None)
             self.cache_path = str(found.path)
             self._precompiled, self._first_shapes = found.fn, found.first_shapes
             self.loaded_from_cache = found.loaded
             if found.loaded:
                 self.compile_seconds.append(time.perf_counter() - start)
+
+    # ----- background mode
+    def _compile_in_background(self, state: TrainState, batch, future) -> None:
+        # The precompile API compiles without running the step: the main thread's steps
+        # keep torch's generator to themselves.
+        graphs, start = torch_compat.compiled_graph_count(), time.perf_counter()
+        try:
+            with torch_compat.generator_untouched_by_this_thread(), _short_gil_slices():
+                found = step_cache.precompiled_step(
+                    self.step.core, self.step.name, state, batch, self.cache_dir, dynamic=self._dynamic,
+                    patches=self._patches, settings=self._settings, quiet=not self._cache_asked)
+            if found.fn is not None and self._points_marked:
+                mark_point_batch_dynamic(batch, unbacked=None)  # see _before_first_call
+            future.set_result((found, torch_compat.compiled_graph_count() - graphs, time.perf_counter() - start))
+        except BaseException as err:
+            future.set_exception(err)
+
+    def _run_eager_beside_compile(self, state: TrainState, batch):
+        # functional_call swaps the tensors of the module it calls while the call runs, and
+        # the compile reads the state's module (its guards check the parameters' types): the
+        # eager steps call a structure-only copy of their own.
+        model = state.model
+        if self._eager_model is None or self._eager_model[0] is not model:
+            self._eager_model = (model, structure_only(model))
+        new_state, metrics = run_core(self.step.core, state.replace(model=self._eager_model[1]), batch)
+        return new_state.replace(model=model), metrics
+
+    def _start_background(self) -> None:
+        if self._compile_args is not None:
+            (state, batch), self._compile_args = self._compile_args, None
+            threading.Thread(target=self._compile_in_background, args=(state, batch, self._pending),
+                             name=f"pimm_fn-compile-{self.step.name}", daemon=True).start()
+
+    def _index(self, state: TrainState) -> int:
+        # state.step as a host int: counted from the last call's result, read from the state
+        # only when it is another (the first call, a resumed state).
+        if state.step is not self._last_step:
+            self._last_index = int(state.step)
+        return self._last_index
+
+    def _compiled_now(self, state: TrainState) -> bool:
+        """Background mode: whether this call runs the compiled step (else it runs eagerly)."""
+        index = self._index(state)
+        if self.switch_at is not None:
+            if index < self.switch_at:
+                return False
+        elif not self._pending.done():
+            return False
+        else:
+            self.switch_at = index
+        if self._pending is not None:
+            self._take_background()
+        return True
+
+    def _take_background(self) -> None:
+        self._start_background()
+        future, self._pending = self._pending, None
+        try:
+            found, compiled, seconds = future.result()  # waits where the switch is pinned
+        except Exception as err:
+            # Compiled again in the foreground by this call, which raises what it raises.
+            warnings.warn(f"step {self.step.name!r}: the background compile failed ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0][:200] if str(err) else ''}); compiling in the foreground",
+                          RuntimeWarning, stacklevel=5)
+            return
+        self._precompiled, self._first_shapes = found.fn, found.first_shapes
+        self.cache_path = None if found.path is None else str(found.path)
+        self.loaded_from_cache = found.loaded
+        if compiled or found.loaded:
+            self.compile_count += compiled
+            self.compile_seconds.append(seconds)
+
+    def state_dict(self) -> Optional[dict]:
+        """Background mode: the step index from which the run is compiled (None before the
+        switch), kept in checkpoints so that a resumed run switches where the original did."""
+        return {"switch_at": self.switch_at} if self.background else None
+
+    def load_state_dict(self, saved: Optional[dict]) -> None:
+        if self.background and saved and saved.get("switch_at") is not None:
+            self.switch_at = int(saved["switch_at"])
 
     def _count_compiles(self, compiled: int, seconds: float, first: bool, breaks: int):
         self.compile_count += compiled
@@ -242,8 +401,9 @@ class CompiledStep:
         return f"CompiledStep({self.step.name}, compiles={self.compile_count}, eager={self.eager})"
 
 
-def mark_point_batch_dynamic(batch, unbacked: bool = True) -> bool:
-    """Mark the leading dim of every tensor of a point batch (one with ``offset``) dynamic.
+def mark_point_batch_dynamic(batch, unbacked: Optional[bool] = True) -> bool:
+    """Mark the leading dim of every tensor of a point batch (one with ``offset``) dynamic
+    (``unbacked=None``: remove the unbacked marks).
 
     Point counts change with every batch (and a U-Net's topology holds one count per level):
     compiled static first, a point model would compile twice, and with guarded symbolic
@@ -261,6 +421,8 @@ def mark_point_batch_dynamic(batch, unbacked: bool = True) -> bool:
             if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
                 if unbacked:
                     torch_compat.mark_unbacked(leaf, 0)
+                elif unbacked is None:
+                    torch_compat.clear_unbacked(leaf)
                 else:
                     torch_compat.clear_unbacked(leaf)
                     torch_compat.mark_backed(leaf, 0)
@@ -269,7 +431,8 @@ def mark_point_batch_dynamic(batch, unbacked: bool = True) -> bool:
 
 def compile_step(step_fn, *, eager: bool = False, dynamic: Optional[bool] = None,
                  mode: Optional[str] = None, options: Optional[dict] = None,
-                 recompile_limit: Optional[int] = None, cache=None, fullgraph: bool = True) -> CompiledStep:
+                 recompile_limit: Optional[int] = None, cache=None, fullgraph: bool = True,
+                 background: bool = False, switch_at: Optional[int] = None) -> CompiledStep:
     """Compile a step with ``torch.compile(fullgraph=True)`` semantics, or in regions.
 
     step_fn: a :class:`Step` or a plain core function over TrainState.
@@ -295,10 +458,21 @@ def compile_step(step_fn, *, eager: bool = False, dynamic: Optional[bool] = None
         size). On the CPU there are no CUDA graphs: the step compiles as in the default
         mode, with a warning. See docs/gpu.md.
     recompile_limit: recompiles allowed for this step (dynamo's default otherwise).
-    cache: True (``~/.cache/pimm_fn/steps``, or under ``$XDG_CACHE_HOME``) or a folder: the
-        first call's compiled step is saved there and a later process with the same step,
-        model, optimizer and input shapes loads it instead of tracing again (see
-        :mod:`pimm_fn.compile.cache`). Off by default.
+    cache: where the first call's compiled step is saved, so that a later process with the
+        same step, model, optimizer and input shapes (point counts aside) loads it instead of
+        tracing again (see :mod:`pimm_fn.compile.cache`). None (default): on for a
+        whole-step compile, in ``$PIMM_FN_STEP_CACHE`` (``off`` disables it) or
+        ``~/.cache/pimm_fn/steps``; True: that folder; a folder; False: off.
+    background: the first call starts the compile in a background thread and the calls run
+        eagerly until it is done; the first call after that runs compiled, and so do all
+        calls on states from that step index on (``switch_at``). The first step comes at
+        eager speed instead of after the compiler. Eager and compiled steps agree to
+        rounding, not bitwise, so the index is part of the run: :class:`~pimm_fn.callbacks.
+        Checkpoint` saves it (``state_dict``) and ``resume(..., step=...)`` restores it.
+    switch_at: with ``background``, pin the switch to this step index (calls on earlier
+        states run eagerly; the first call at it waits for the compile if it is not done):
+        a run that must be bitwise reproducible from scratch.
     """
     return CompiledStep(as_step(step_fn), eager=eager, dynamic=dynamic, mode=mode, options=options,
-                        recompile_limit=recompile_limit, cache=cache, fullgraph=fullgraph)
+                        recompile_limit=recompile_limit, cache=cache, fullgraph=fullgraph,
+                        background=background, switch_at=switch_at)

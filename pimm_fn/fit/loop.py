@@ -283,7 +283,7 @@ def fit(
                     step=run.step, epoch=cursor.epoch, position=cursor.position, samples_seen=cursor.samples_seen,
                     epochs=epochs, iters_per_epoch=run.source.iters_per_epoch,
                     resumed=run.step > 0 or cursor.epoch > 0 or cursor.position > 0,
-                    loader=loader, callbacks=run.callbacks, history=run.history,
+                    loader=loader, callbacks=run.callbacks, history=run.history, step_fn=step_fn,
                 ),
                 state,
             )
