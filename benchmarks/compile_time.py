@@ -79,10 +79,10 @@ def _child(model: str, cache, threads: int = 0, steps_after: int = 0) -> dict:
         state, batches = _ptv3_default_workload()
     elif model == "mlp":
         sys.path.insert(0, HERE)
-        from overhead import _mlp_setup
+        from overhead import mlp_workload
 
-        state, loader = _mlp_setup(4, 1)
-        batches = loader[:1]
+        _, state, pool = mlp_workload()
+        batches = pool[:1]
     else:
         sys.path.insert(0, ROOT)
         from pimm_fn.bench import workloads

@@ -38,10 +38,10 @@ WAYS = ("eager", "compiled", "background")
 def _workload(model: str):
     if model == "mlp":
         sys.path.insert(0, HERE)
-        from overhead import _mlp_setup
+        from overhead import mlp_workload
 
-        state, batches = _mlp_setup(4, 1)
-        return state, list(batches)
+        _, state, batches = mlp_workload()
+        return state, batches
     if model == "ptv3_default":
         sys.path.insert(0, HERE)
         from compile_time import _ptv3_default_workload

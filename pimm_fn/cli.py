@@ -218,7 +218,7 @@ def train(args) -> int:
     state = run.state
     if args.resume:
         try:
-            state = resume_state(save / "checkpoints", state, loader=run.loader, callbacks=callbacks)
+            state = resume_state(save / "checkpoints", state, loader=run.loader, callbacks=callbacks, step=run.step)
         except ckpt.CheckpointError as err:
             path = ckpt.CheckpointDir(save / "checkpoints").latest() or save / "checkpoints"
             raise _checkpoint_error(err, path, args.experiment, settings, save,

@@ -66,8 +66,8 @@ def _short_gil_slices():
 
     The compile is Python holding the GIL; an eager step gives the GIL up in every kernel
     and waits to get it back, by default up to 5 ms each time, hundreds of times a step.
-    With 0.1 ms slices eager steps beside a compile run ~3x faster and the compile no
-    slower (benchmarks/README.md, "Compiling behind eager steps").
+    Shorter slices let several times more eager steps run during a compile
+    (benchmarks/README.md, "Compiling behind eager steps").
     """
     with _SLICES_LOCK:
         if not _SLICES["running"]:
