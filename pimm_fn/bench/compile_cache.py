@@ -48,7 +48,9 @@ def _cache_counters() -> dict:
 def _probe(spec: str, kwargs: dict, calls: int, compile_kw: dict) -> dict:
     """In this (fresh) process: build the workload and compile its step; report times."""
     wl = load_factory(spec)(**kwargs)
-    step = compile_step(wl.step, **compile_kw)
+    # Inductor's and AOTAutograd's caches are what this measures: a step loaded from the
+    # step cache would skip them.
+    step = compile_step(wl.step, **{"cache": False, **compile_kw})
     state = wl.state
     t0 = time.perf_counter()
     calls = max(1, min(calls, len(wl.batches)))
