@@ -4,7 +4,8 @@
   seeding, the host ``prepare``, the cursor);
 - :mod:`.step`: :func:`compile_step` and :class:`CompiledStep`;
 - :mod:`.regions`: the compiled regions of a ``fullgraph=False`` step;
-- :mod:`.cache`: the disk cache of compiled steps;
+- :mod:`.cache`: the disk cache of compiled steps (on by default);
+- :mod:`.background`: a compile in a thread beside eager steps (``background=True``);
 - :mod:`.modes`: compile modes, CUDA-graph copies, device errors;
 - :mod:`.explain`: :func:`explain_step`, every graph break with its fix;
 - :mod:`.hoist`: per-step scalars stored once in compiled code;

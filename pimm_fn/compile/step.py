@@ -16,10 +16,6 @@ with dynamo's counter and their reasons read from its compilation records.
 """
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
-import sys
-import threading
 import time
 import warnings
 from typing import Optional
@@ -31,6 +27,7 @@ from ..state import TrainState, structure_only
 from ..tree import tree_leaves
 from . import cache as step_cache
 from . import isa_memo
+from .background import BackgroundCompile
 from .boundary import Step, as_step, check_finite, prepare_batch, run_core, validate_first_batch, with_host
 from .modes import copy_tensors, mode_patches
 from .regions import CompiledRegions
@@ -53,34 +50,6 @@ def _on_compile_end():
 
 
 _ensure_compile_hooks = None  # torch_compat.dynamo_compile_hooks(...), made with the first compiled step
-
-
-_SLICES_LOCK = threading.Lock()
-_SLICES = {"running": 0, "saved": 0.005}  # background compiles running; the interval to restore
-_COMPILE_SLICE_S = 1e-4
-
-
-@contextlib.contextmanager
-def _short_gil_slices():
-    """A short interpreter switch interval while a background compile runs.
-
-    The compile is Python holding the GIL; an eager step gives the GIL up in every kernel
-    and waits to get it back, by default up to 5 ms each time, hundreds of times a step.
-    Shorter slices let several times more eager steps run during a compile
-    (benchmarks/README.md, "Compiling behind eager steps").
-    """
-    with _SLICES_LOCK:
-        if not _SLICES["running"]:
-            _SLICES["saved"] = sys.getswitchinterval()
-            sys.setswitchinterval(min(_SLICES["saved"], _COMPILE_SLICE_S))
-        _SLICES["running"] += 1
-    try:
-        yield
-    finally:
-        with _SLICES_LOCK:
-            _SLICES["running"] -= 1
-            if not _SLICES["running"]:
-                sys.setswitchinterval(_SLICES["saved"])
 
 
 class CompiledStep:
@@ -129,8 +98,7 @@ class CompiledStep:
         # known (pinned, loaded from a checkpoint, or the first call after the compile).
         self.background = background
         self.switch_at = switch_at
-        self._pending = None  # the background compile, until a call takes its result
-        self._compile_args = None  # its (state, batch), until it starts
+        self._pending: Optional[BackgroundCompile] = None  # until a call takes its result
         self._eager_model = None  # (the state's module, the eager calls' copy of it)
         self._last_step = self._last_index = None  # the host's count of state.step
         self._dynamic = dynamic
@@ -194,7 +162,8 @@ class CompiledStep:
                 else:
                     new_state, metrics = self._run(state, batch)
                 self._last_step, self._last_index = new_state.step, self._last_index + 1
-                self._start_background()
+                if self._pending is not None:
+                    self._pending.start()  # after the first call: it ran with the CPU to itself
             else:
                 new_state, metrics = self._run(state, batch)
         finally:
@@ -226,42 +195,34 @@ class CompiledStep:
             # unbacked ones fail on the host reads of sizes that mode exists for.
             self._points_marked = mark_point_batch_dynamic(batch, unbacked=self._regions is None)
         if self.background:
-            # Started once this first call has returned (it runs with the CPU to itself), or
-            # at once where this call must already be compiled (switch_at pinned to it).
-            self._pending = concurrent.futures.Future()
-            self._compile_args = (state, batch)
+            # Started once this first call has returned, or by a call that must already be
+            # compiled (switch_at pinned to it).
+            self._pending = BackgroundCompile(lambda: self._precompile(state, batch), self.step.name)
             return
         if self.cache_dir is not None:
             start = time.perf_counter()
-            found = step_cache.precompiled_step(
-                self.step.core, self.step.name, state, batch, self.cache_dir,
-                dynamic=self._dynamic, patches=self._patches, settings=self._settings, quiet=not self._cache_asked)
-            if found.fn is not None and self._points_marked:
-                # A saved step's guards reject marked inputs: its unbacked point dims are in
-                # the artifact, and this batch runs through it like any later one.
-                mark_point_batch_dynamic(batch, unbacked=None)
-            self.cache_path = str(found.path)
-            self._precompiled, self._first_shapes = found.fn, found.first_shapes
-            self.loaded_from_cache = found.loaded
-            if found.loaded:
-                self.compile_seconds.append(time.perf_counter() - start)
+            found = self._precompile(state, batch)
+            self._use_precompiled(found, time.perf_counter() - start if found.loaded else None)
+
+    def _precompile(self, state: TrainState, batch) -> step_cache.Precompiled:
+        """The step compiled by the precompile API (without running it), or from the cache."""
+        found = step_cache.precompiled_step(
+            self.step.core, self.step.name, state, batch, self.cache_dir,
+            dynamic=self._dynamic, patches=self._patches, settings=self._settings, quiet=not self._cache_asked)
+        if found.fn is not None and self._points_marked:
+            # A saved step's guards reject marked inputs: its unbacked point dims are in
+            # the artifact, and this batch runs through it like any later one.
+            mark_point_batch_dynamic(batch, unbacked=None)
+        return found
+
+    def _use_precompiled(self, found: step_cache.Precompiled, seconds: Optional[float]) -> None:
+        self._precompiled, self._first_shapes = found.fn, found.first_shapes
+        self.cache_path = None if found.path is None else str(found.path)
+        self.loaded_from_cache = found.loaded
+        if seconds is not None:
+            self.compile_seconds.append(seconds)
 
     # ----- background mode
-    def _compile_in_background(self, state: TrainState, batch, future) -> None:
-        # The precompile API compiles without running the step: the main thread's steps
-        # keep torch's generator to themselves.
-        graphs, start = torch_compat.compiled_graph_count(), time.perf_counter()
-        try:
-            with torch_compat.generator_untouched_by_this_thread(), _short_gil_slices():
-                found = step_cache.precompiled_step(
-                    self.step.core, self.step.name, state, batch, self.cache_dir, dynamic=self._dynamic,
-                    patches=self._patches, settings=self._settings, quiet=not self._cache_asked)
-            if found.fn is not None and self._points_marked:
-                mark_point_batch_dynamic(batch, unbacked=None)  # see _before_first_call
-            future.set_result((found, torch_compat.compiled_graph_count() - graphs, time.perf_counter() - start))
-        except BaseException as err:
-            future.set_exception(err)
-
     def _run_eager_beside_compile(self, state: TrainState, batch):
         # functional_call swaps the tensors of the module it calls while the call runs, and
         # the compile reads the state's module (its guards check the parameters' types): the
@@ -271,12 +232,6 @@ class CompiledStep:
             self._eager_model = (model, structure_only(model))
         new_state, metrics = run_core(self.step.core, state.replace(model=self._eager_model[1]), batch)
         return new_state.replace(model=model), metrics
-
-    def _start_background(self) -> None:
-        if self._compile_args is not None:
-            (state, batch), self._compile_args = self._compile_args, None
-            threading.Thread(target=self._compile_in_background, args=(state, batch, self._pending),
-                             name=f"pimm_fn-compile-{self.step.name}", daemon=True).start()
 
     def _index(self, state: TrainState) -> int:
         # state.step as a host int: counted from the last call's result, read from the state
@@ -300,22 +255,17 @@ class CompiledStep:
         return True
 
     def _take_background(self) -> None:
-        self._start_background()
-        future, self._pending = self._pending, None
+        pending, self._pending = self._pending, None
         try:
-            found, compiled, seconds = future.result()  # waits where the switch is pinned
+            found, compiled, seconds = pending.result()  # waits where the switch is pinned
         except Exception as err:
             # Compiled again in the foreground by this call, which raises what it raises.
             warnings.warn(f"step {self.step.name!r}: the background compile failed ({type(err).__name__}: "
                           f"{str(err).splitlines()[0][:200] if str(err) else ''}); compiling in the foreground",
                           RuntimeWarning, stacklevel=5)
             return
-        self._precompiled, self._first_shapes = found.fn, found.first_shapes
-        self.cache_path = None if found.path is None else str(found.path)
-        self.loaded_from_cache = found.loaded
-        if compiled or found.loaded:
-            self.compile_count += compiled
-            self.compile_seconds.append(seconds)
+        self.compile_count += compiled
+        self._use_precompiled(found, seconds if compiled or found.loaded else None)
 
     def state_dict(self) -> Optional[dict]:
         """Background mode: the step index from which the run is compiled (None before the
