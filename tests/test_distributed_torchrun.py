@@ -195,3 +195,4 @@ def test_compiled_data_parallel_step_has_zero_graph_breaks(tmp_path):
         assert res["compile_count"] == 1  # three steps, one compilation
         assert res["max_diff_vs_eager"] < 1e-4, res
         assert res["samples"] == 8.0 and "loss_scale" in res["metric_keys"]
+        assert "switch_at=N" in res["background_unpinned"], res["background_unpinned"]

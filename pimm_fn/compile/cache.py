@@ -255,8 +255,9 @@ def leaves_key(inner_state, batch, shapes: bool = True) -> str:
     """Paths, dtypes, devices, and (``shapes``) shapes and strides of the traced inputs.
 
     Dims marked unbacked (a point batch's point counts) are left out of the shapes: the
-    artifact serves every size. A step compiled ``dynamic=True`` leaves shapes out: its artifact serves any size its
-    own guards accept, and rejects (falls back to compiling) the rest."""
+    artifact serves every size. A step compiled ``dynamic=True`` leaves shapes out: its
+    artifact serves any size its own guards accept, and rejects (falls back to compiling)
+    the rest."""
     import optree
 
     paths, leaves, _ = optree.tree_flatten_with_path((inner_state, batch), namespace=NAMESPACE)

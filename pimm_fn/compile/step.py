@@ -195,6 +195,14 @@ class CompiledStep:
             # unbacked ones fail on the host reads of sizes that mode exists for.
             self._points_marked = mark_point_batch_dynamic(batch, unbacked=self._regions is None)
         if self.background:
+            if self.switch_at is None and torch.distributed.is_available() and torch.distributed.is_initialized() \
+                    and torch.distributed.get_world_size() > 1:
+                # Each rank's compile finishes at its own time: replicas would update eagerly on
+                # some ranks and compiled on others, and drift apart in the last bits.
+                raise ValueError(
+                    f"step {self.step.name!r}: compile_step(background=True) under {torch.distributed.get_world_size()} "
+                    "ranks needs the switch pinned so that every rank switches at the same step: pass "
+                    "switch_at=N (or background=False)")
             # Started once this first call has returned, or by a call that must already be
             # compiled (switch_at pinned to it).
             self._pending = BackgroundCompile(lambda: self._precompile(state, batch), self.step.name)

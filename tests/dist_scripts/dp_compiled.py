@@ -46,6 +46,12 @@ def main():
     res.update(compile_count=compiled.compile_count, compile_seconds=compiled.compile_seconds,
                loop_seconds=time.perf_counter() - t0, max_diff_vs_eager=max(diffs),
                metric_keys=sorted(cm), samples=float(cm["samples"]))
+    # A background compile must switch on every rank at once: unpinned, it is refused.
+    try:
+        compile_step(step, background=True)(state0, batches[0])
+        res["background_unpinned"] = "accepted"
+    except ValueError as err:
+        res["background_unpinned"] = str(err)
     D.assert_in_sync(comp_state.params)
     D.assert_in_sync(comp_state.buffers, what="buffers")
     C.write_json(os.path.join(C.out_dir(), f"compiled_rank{ctx.rank}.json"), res)
