@@ -200,9 +200,9 @@ class CompiledStep:
                 # Each rank's compile finishes at its own time: replicas would update eagerly on
                 # some ranks and compiled on others, and drift apart in the last bits.
                 raise ValueError(
-                    f"step {self.step.name!r}: compile_step(background=True) under {torch.distributed.get_world_size()} "
-                    "ranks needs the switch pinned so that every rank switches at the same step: pass "
-                    "switch_at=N (or background=False)")
+                    f"step {self.step.name!r}: compile_step(background=True) under "
+                    f"{torch.distributed.get_world_size()} ranks needs the switch pinned so that every rank "
+                    "switches at the same step: pass switch_at=N (or background=False)")
             # Started once this first call has returned, or by a call that must already be
             # compiled (switch_at pinned to it).
             self._pending = BackgroundCompile(lambda: self._precompile(state, batch), self.step.name)
