@@ -14,11 +14,13 @@ from pimm_fn.callbacks import Checkpoint, on, resume
 from pimm_fn.compile import compile_step, explain_step
 from pimm_fn.models.ptv3 import PTv3, _NeighbourGather, layer_decay_groups
 from pimm_fn.models.serialization import (
+    CENTRE,
     ORDERS,
     TopologySpec,
     grid_pool,
     hilbert_code,
     neighbour_map,
+    neighbour_pairs,
     patch_slots,
     serial_code,
     z_order_code,
@@ -86,6 +88,37 @@ def test_neighbour_gather_backward_is_the_true_gradient():
     nb = neighbour_map(grid, torch.zeros(len(grid), dtype=torch.long))
     x = torch.randn(len(grid), 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: _NeighbourGather.apply(t, nb), (x,))
+
+
+def test_neighbour_pairs_list_each_present_neighbour_once_per_offset():
+    grid = torch.unique(torch.randint(0, 6, (150, 3)), dim=0)
+    nb = neighbour_map(grid, torch.zeros(len(grid), dtype=torch.long))
+    pairs, n = neighbour_pairs(nb), len(grid)
+    offsets = [k for k in range(27) if k != CENTRE]
+    assert len(pairs["rows"]) == len(pairs["cols"]) == 26
+    for k, rows, cols in zip(offsets, pairs["rows"], pairs["cols"]):
+        real_rows, real_cols = rows[:-2], cols[:-2]
+        assert rows[-2:].tolist() == [0, 0] and cols[-2:].tolist() == [n, n]  # the zero-row padding
+        assert torch.equal(real_cols, nb[real_rows, k]) and bool((real_cols < n).all())
+        assert len(set(real_rows.tolist())) == len(real_rows) == int((nb[:, k] < n).sum())
+
+
+@pytest.mark.parametrize("cin", [4, 16])
+def test_sparse_submconv_equals_the_dense_gather_form(cin):
+    from pimm_fn.models.ptv3 import SubMConv
+
+    grid = torch.unique(torch.randint(0, 7, (300, 3)), dim=0)
+    batch = (torch.arange(len(grid)) >= len(grid) // 3).long()
+    nb = neighbour_map(grid, batch)
+    torch.manual_seed(0)
+    conv = SubMConv(cin, 8).double()
+    x = torch.randn(len(grid), cin, dtype=torch.float64, requires_grad=True)
+    dense = conv(x, nb)
+    sparse = conv(x, nb, neighbour_pairs(nb))
+    assert torch.allclose(dense, sparse, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(dense.sin().sum(), [x, conv.weight, conv.bias]),
+                    torch.autograd.grad(sparse.sin().sum(), [x, conv.weight, conv.bias])):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_grid_pool_merges_the_voxels_of_each_cloud_only():

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..data.collate import PointCollate
 from ._common import classification_outputs, make_norm
-from .serialization import ORDERS, TopologySpec, build_topology
+from .serialization import CENTRE, ORDERS, TopologySpec, build_topology
 
 __all__ = ["PTv3", "PTv3Collate", "layer_decay_groups"]
 
@@ -50,7 +50,12 @@ class SubMConv(nn.Module):
     """Submanifold 3x3x3 convolution: each voxel mixes its existing grid neighbours only.
 
     ``neighbours`` [N, 27] holds row indices, N for an empty neighbour (a zero row), as
-    :func:`~pimm_fn.models.serialization.neighbour_map` builds it.
+    :func:`~pimm_fn.models.serialization.neighbour_map` builds it. With ``pairs`` (the
+    level's :func:`~pimm_fn.models.serialization.neighbour_pairs`) only present neighbours
+    are multiplied: one matmul per offset over its pairs, added into their rows. On point
+    data most of the 26 offsets are empty, so this is most of the dense form's work saved
+    (benchmarks/README.md, "The PTv3-class backbone"). Without, the dense form: a gather to
+    [N, 27, C] and one matmul. Same weights, same result to rounding.
     """
 
     def __init__(self, cin: int, cout: int, bias: bool = True):
@@ -59,8 +64,17 @@ class SubMConv(nn.Module):
         self.bias = nn.Parameter(torch.zeros(cout)) if bias else None
         nn.init.kaiming_uniform_(self.weight.T, a=5 ** 0.5)  # as nn.Linear, fan-in 27 * cin
 
-    def forward(self, x: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
-        out = _NeighbourGather.apply(x, neighbours).flatten(1) @ self.weight
+    def forward(self, x: torch.Tensor, neighbours: torch.Tensor, pairs: Optional[dict] = None) -> torch.Tensor:
+        if pairs is None:
+            out = _NeighbourGather.apply(x, neighbours).flatten(1) @ self.weight
+        else:
+            w = self.weight.view(27, x.shape[1], -1)
+            padded = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row N: the empty neighbour
+            out = x @ w[CENTRE]
+            offsets = [k for k in range(27) if k != CENTRE]
+            for k, rows, cols in zip(offsets, pairs["rows"], pairs["cols"]):
+                # rows are unique within an offset: the sum does not depend on thread order
+                out = out.index_add(0, rows, padded[cols] @ w[k])
         return out if self.bias is None else out + self.bias
 
 
@@ -141,7 +155,7 @@ class Block(nn.Module):
         self.drop_path = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, level: dict) -> torch.Tensor:
-        x = x + self.cpe_norm(self.cpe_proj(self.cpe(x, level["neighbours"])))
+        x = x + self.cpe_norm(self.cpe_proj(self.cpe(x, level["neighbours"], level.get("pairs"))))
         o = self.order_index % len(level["patches"])
         x = x + self.drop_path(self.attn(self.norm1(x), level["patches"][o], level["slots"][o]))
         return x + self.drop_path(self.mlp(self.norm2(x)))
@@ -259,7 +273,7 @@ class PTv3(nn.Module):
     def encode(self, batch: dict, levels: list) -> list:
         """The encoder: each level's point features, finest first (the last is the bottleneck)."""
         emb = self.embedding
-        x = F.gelu(emb["norm"](emb["conv"](batch["feat"], levels[0]["neighbours"])))
+        x = F.gelu(emb["norm"](emb["conv"](batch["feat"], levels[0]["neighbours"], levels[0].get("pairs"))))
         skips = []
         for i, stage in enumerate(self.enc):
             if i:

@@ -24,12 +24,13 @@ from typing import Optional
 import attrs
 import torch
 
-__all__ = ["ORDERS", "TopologySpec", "build_topology", "hilbert_code", "neighbour_map", "serial_code",
-           "z_order_code"]
+__all__ = ["CENTRE", "ORDERS", "TopologySpec", "build_topology", "hilbert_code", "neighbour_map", "neighbour_pairs",
+           "serial_code", "z_order_code"]
 
 ORDERS = ("z", "z-trans", "hilbert", "hilbert-trans")
 _BITS = 16  # bits per axis of a code: grids up to 65,536 voxels a side
 _CUBE = [(dx, dy, dz) for dx in (-1, 0, 1) for dy in (-1, 0, 1) for dz in (-1, 0, 1)]
+CENTRE = _CUBE.index((0, 0, 0))  # 13: every voxel is its own centre neighbour
 
 
 def z_order_code(grid: torch.Tensor, bits: int = _BITS) -> torch.Tensor:
@@ -141,6 +142,29 @@ def neighbour_map(grid: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
     return torch.where(found, perm[at], torch.full_like(at, n)).reshape(n, 27)
 
 
+def neighbour_pairs(neighbours: torch.Tensor) -> dict:
+    """The present neighbours of a :func:`neighbour_map`, offset by offset (the centre left out).
+
+    Returns ``{"rows": [...], "cols": [...]}``, 26 index tensors each: at offset k, voxel
+    ``rows[k][p]`` has voxel ``cols[k][p]`` as its neighbour. A sparse convolution then
+    multiplies only these pairs (on point data most of the 26 are empty). Each list ends
+    with two pairs (voxel 0, the zero row N): no list is shorter than 2, the least size a
+    compiled step traces as unknown.
+    """
+    n = neighbours.shape[0]
+    pad_rows = torch.zeros(2, dtype=neighbours.dtype, device=neighbours.device)
+    pad_cols = torch.full((2,), n, dtype=neighbours.dtype, device=neighbours.device)
+    rows, cols = [], []
+    for k in range(27):
+        if k == CENTRE:
+            continue
+        column = neighbours[:, k]
+        present = torch.nonzero(column < n).flatten()
+        rows.append(torch.cat([present, pad_rows]))
+        cols.append(torch.cat([column[present], pad_cols]))
+    return {"rows": rows, "cols": cols}
+
+
 def grid_pool(grid: torch.Tensor, batch: torch.Tensor, stride: int = 2):
     """Merge voxels into the voxels of ``stride`` times their size, per cloud.
 
@@ -188,6 +212,7 @@ def build_topology(grid_coord: torch.Tensor, offset: torch.Tensor, spec: Topolog
 
     Returns ``{"levels": [level 0, level 1, ...]}``, each level a dict:
       ``neighbours`` [N_l, 27] (:func:`neighbour_map`),
+      ``pairs``      the present neighbours offset by offset (:func:`neighbour_pairs`),
       ``patches``    a list, per order, of [P_l / K_l, K_l] point indices (the padded patches),
       ``slots``      a list, per order, of [N_l] each point's slot in the flattened patches,
       ``pool``       [N_l] the point of level l + 1 each point merges into (not on the last level).
@@ -209,7 +234,8 @@ def build_topology(grid_coord: torch.Tensor, offset: torch.Tensor, spec: Topolog
             source, slot = patch_slots(batch[perm], num_clouds, int(patch))
             patches.append(perm[source].reshape(-1, int(patch)))
             slots.append(torch.empty_like(slot).scatter_(0, perm, slot))
-        entry = {"neighbours": neighbour_map(grid, batch), "patches": patches, "slots": slots}
+        neighbours = neighbour_map(grid, batch)
+        entry = {"neighbours": neighbours, "pairs": neighbour_pairs(neighbours), "patches": patches, "slots": slots}
         if level + 1 < spec.levels:
             entry["pool"], grid, batch = grid_pool(grid, batch, spec.stride)
         levels.append(entry)
