@@ -98,9 +98,10 @@ def test_neighbour_pairs_list_each_present_neighbour_once_per_offset():
     assert len(pairs["rows"]) == len(pairs["cols"]) == 26
     for k, rows, cols in zip(offsets, pairs["rows"], pairs["cols"]):
         real_rows, real_cols = rows[:-2], cols[:-2]
-        assert rows[-2:].tolist() == [0, 0] and cols[-2:].tolist() == [n, n]  # the zero-row padding
+        assert rows[-2:].tolist() == cols[-2:].tolist() == [n, n]  # the padding row
         assert torch.equal(real_cols, nb[real_rows, k]) and bool((real_cols < n).all())
         assert len(set(real_rows.tolist())) == len(real_rows) == int((nb[:, k] < n).sum())
+        assert len(set(real_cols.tolist())) == len(real_cols)  # what the gradient's plain stores rely on
 
 
 @pytest.mark.parametrize("cin", [4, 16])

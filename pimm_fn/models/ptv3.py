@@ -69,13 +69,51 @@ class SubMConv(nn.Module):
             out = _NeighbourGather.apply(x, neighbours).flatten(1) @ self.weight
         else:
             w = self.weight.view(27, x.shape[1], -1)
-            padded = torch.cat([x, x.new_zeros(1, x.shape[1])])  # row N: the empty neighbour
-            out = x @ w[CENTRE]
+            # Row N on both sides: the empty neighbour (zeros) and a sink for the padding pairs.
+            padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+            out = torch.cat([x @ w[CENTRE], x.new_zeros(1, w.shape[2])])
             offsets = [k for k in range(27) if k != CENTRE]
             for k, rows, cols in zip(offsets, pairs["rows"], pairs["cols"]):
-                # rows are unique within an offset: the sum does not depend on thread order
-                out = out.index_add(0, rows, padded[cols] @ w[k])
+                out = _AddAtRows.apply(out, rows, _GatherRows.apply(padded, cols) @ w[k])
+            out = out[:-1]
         return out if self.bias is None else out + self.bias
+
+
+# Within one offset no row or column repeats but the padding row, so adding into rows and
+# the gradient of gathering rows are plain stores: no accumulating scatter (atomic adds in
+# compiled CPU code, summed in thread order), and the padding row is thrown away.
+class _AddAtRows(torch.autograd.Function):
+    """``out`` with ``values`` added at ``rows`` (unique but for the last, padding row)."""
+
+    @staticmethod
+    def forward(out, rows, values):
+        return out.index_put((rows,), out[rows] + values)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        return grad, None, grad[rows]
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x[rows]`` for ``rows`` unique but for the last (padding) row of ``x``."""
+
+    @staticmethod
+    def forward(x, rows):
+        return x[rows]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0].new_empty(inputs[0].shape[0], 0), inputs[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        like, rows = ctx.saved_tensors
+        return grad.new_zeros(like.shape[0], grad.shape[1]).index_put((rows,), grad), None
 
 
 class _NeighbourGather(torch.autograd.Function):

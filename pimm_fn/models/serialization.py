@@ -146,14 +146,13 @@ def neighbour_pairs(neighbours: torch.Tensor) -> dict:
     """The present neighbours of a :func:`neighbour_map`, offset by offset (the centre left out).
 
     Returns ``{"rows": [...], "cols": [...]}``, 26 index tensors each: at offset k, voxel
-    ``rows[k][p]`` has voxel ``cols[k][p]`` as its neighbour. A sparse convolution then
-    multiplies only these pairs (on point data most of the 26 are empty). Each list ends
-    with two pairs (voxel 0, the zero row N): no list is shorter than 2, the least size a
-    compiled step traces as unknown.
+    ``rows[k][p]`` has voxel ``cols[k][p]`` as its neighbour; within an offset no row and no
+    column repeats. A sparse convolution then multiplies only these pairs (on point data
+    most of the 26 are empty). Each list ends with two pairs (N, N), a padding row on both
+    sides: no list is shorter than 2, the least size a compiled step traces as unknown.
     """
     n = neighbours.shape[0]
-    pad_rows = torch.zeros(2, dtype=neighbours.dtype, device=neighbours.device)
-    pad_cols = torch.full((2,), n, dtype=neighbours.dtype, device=neighbours.device)
+    pad_rows = pad_cols = torch.full((2,), n, dtype=neighbours.dtype, device=neighbours.device)
     rows, cols = [], []
     for k in range(27):
         if k == CENTRE:
