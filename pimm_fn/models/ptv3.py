@@ -8,7 +8,8 @@ CVPR 2024) and the public description of its design:
   attention is plain multi-head ``scaled_dot_product_attention`` inside each patch, each
   block of a level using the next order, so information crosses patch borders;
 - every block starts with a conditional positional encoding: a submanifold 3x3x3 sparse
-  convolution over the grid neighbours (here gather + one matmul), a linear layer and
+  convolution over the grid neighbours (here a matmul per offset over the neighbours that
+  exist, listed by the collate), a linear layer and
   LayerNorm, added to the features; then pre-norm attention and a GELU MLP, each with
   drop path;
 - a U-Net: grid pooling by stride 2 (linear, max over the points of each coarse voxel,
