@@ -15,6 +15,7 @@ from pimm_fn.compile import compile_step, explain_step
 from pimm_fn.models.ptv3 import PTv3, _NeighbourGather, layer_decay_groups
 from pimm_fn.models.serialization import (
     CENTRE,
+    OFF_CENTRE,
     ORDERS,
     TopologySpec,
     grid_pool,
@@ -94,9 +95,9 @@ def test_neighbour_pairs_list_each_present_neighbour_once_per_offset():
     grid = torch.unique(torch.randint(0, 6, (150, 3)), dim=0)
     nb = neighbour_map(grid, torch.zeros(len(grid), dtype=torch.long))
     pairs, n = neighbour_pairs(nb), len(grid)
-    offsets = [k for k in range(27) if k != CENTRE]
+    assert OFF_CENTRE == tuple(k for k in range(27) if k != CENTRE)
     assert len(pairs["rows"]) == len(pairs["cols"]) == 26
-    for k, rows, cols in zip(offsets, pairs["rows"], pairs["cols"]):
+    for k, rows, cols in zip(OFF_CENTRE, pairs["rows"], pairs["cols"]):
         real_rows, real_cols = rows[:-2], cols[:-2]
         assert rows[-2:].tolist() == cols[-2:].tolist() == [n, n]  # the padding row
         assert torch.equal(real_cols, nb[real_rows, k]) and bool((real_cols < n).all())

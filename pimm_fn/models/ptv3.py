@@ -35,7 +35,7 @@ from torch import nn
 
 from ..data.collate import PointCollate
 from ._common import classification_outputs, make_norm
-from .serialization import CENTRE, ORDERS, TopologySpec, build_topology
+from .serialization import CENTRE, OFF_CENTRE, ORDERS, TopologySpec, build_topology
 
 __all__ = ["PTv3", "PTv3Collate", "layer_decay_groups"]
 
@@ -73,8 +73,7 @@ class SubMConv(nn.Module):
             # Row N on both sides: the empty neighbour (zeros) and a sink for the padding pairs.
             padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
             out = torch.cat([x @ w[CENTRE], x.new_zeros(1, w.shape[2])])
-            offsets = [k for k in range(27) if k != CENTRE]
-            for k, rows, cols in zip(offsets, pairs["rows"], pairs["cols"]):
+            for k, rows, cols in zip(OFF_CENTRE, pairs["rows"], pairs["cols"]):
                 out = _AddAtRows.apply(out, rows, _GatherRows.apply(padded, cols) @ w[k])
             out = out[:-1]
         return out if self.bias is None else out + self.bias

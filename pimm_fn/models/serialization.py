@@ -24,13 +24,14 @@ from typing import Optional
 import attrs
 import torch
 
-__all__ = ["CENTRE", "ORDERS", "TopologySpec", "build_topology", "hilbert_code", "neighbour_map", "neighbour_pairs",
-           "serial_code", "z_order_code"]
+__all__ = ["CENTRE", "OFF_CENTRE", "ORDERS", "TopologySpec", "build_topology", "hilbert_code", "neighbour_map",
+           "neighbour_pairs", "serial_code", "z_order_code"]
 
 ORDERS = ("z", "z-trans", "hilbert", "hilbert-trans")
 _BITS = 16  # bits per axis of a code: grids up to 65,536 voxels a side
 _CUBE = [(dx, dy, dz) for dx in (-1, 0, 1) for dy in (-1, 0, 1) for dz in (-1, 0, 1)]
 CENTRE = _CUBE.index((0, 0, 0))  # 13: every voxel is its own centre neighbour
+OFF_CENTRE = tuple(k for k in range(27) if k != CENTRE)  # the offsets neighbour_pairs lists, in order
 
 
 def z_order_code(grid: torch.Tensor, bits: int = _BITS) -> torch.Tensor:
@@ -154,9 +155,7 @@ def neighbour_pairs(neighbours: torch.Tensor) -> dict:
     n = neighbours.shape[0]
     pad_rows = pad_cols = torch.full((2,), n, dtype=neighbours.dtype, device=neighbours.device)
     rows, cols = [], []
-    for k in range(27):
-        if k == CENTRE:
-            continue
+    for k in OFF_CENTRE:
         column = neighbours[:, k]
         present = torch.nonzero(column < n).flatten()
         rows.append(torch.cat([present, pad_rows]))
