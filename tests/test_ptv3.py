@@ -18,6 +18,7 @@ from pimm_fn.models.serialization import (
     OFF_CENTRE,
     ORDERS,
     TopologySpec,
+    build_topology,
     grid_pool,
     hilbert_code,
     neighbour_map,
@@ -61,12 +62,13 @@ def test_serial_codes_keep_each_cloud_contiguous():
 
 def test_patch_slots_pad_each_cloud_with_its_own_points():
     batch = torch.repeat_interleave(torch.arange(3), torch.tensor([5, 3, 9]))
-    source, slot = patch_slots(batch, 3, 4)
+    source, slot, pads = patch_slots(batch, 3, 4)
     assert source.numel() == 8 + 4 + 12                       # ceil(n / K) * K per cloud
     assert torch.equal(source[slot], torch.arange(17))          # every point has its own slot
     patches = batch[source].reshape(-1, 4)
     assert torch.equal(patches, patches[:, :1].expand_as(patches))  # no patch mixes clouds
     assert source.tolist() == [0, 1, 2, 3, 4, 1, 2, 3, 5, 6, 7, 5, 8, 9, 10, 11, 12, 13, 14, 15, 16, 13, 14, 15]
+    assert pads.tolist() == [5, 6, 7, 11, 21, 22, 23, 24, 24]  # the repeating slots, then two past the end
 
 
 def test_neighbour_map_equals_brute_force_and_is_symmetric():
@@ -121,6 +123,28 @@ def test_sparse_submconv_equals_the_dense_gather_form(cin):
     for a, b in zip(torch.autograd.grad(dense.sin().sum(), [x, conv.weight, conv.bias]),
                     torch.autograd.grad(sparse.sin().sum(), [x, conv.weight, conv.bias])):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_patch_attention_gradients_through_the_repeated_slots_equal_autograds():
+    # Clouds smaller than K repeat points several times, larger ones once: both kinds of
+    # repeat go through _PatchGather's backward; a cloud of exactly K repeats none.
+    from pimm_fn.models.ptv3 import PatchAttention
+
+    grid = torch.unique(torch.randint(0, 9, (400, 3)), dim=0)[:75]
+    batch = torch.repeat_interleave(torch.arange(4), torch.tensor([5, 16, 3, 51]))
+    topology = build_topology(grid, torch.tensor([5, 21, 24, 75]), TopologySpec((16,), shuffle_orders=False))
+    level = topology["levels"][0]
+    assert int(level["patches"][0].numel() - batch.numel()) == len(level["pads"]) - 2
+    torch.manual_seed(0)
+    attn = PatchAttention(8, 2).double()
+    x = torch.randn(len(grid), 8, dtype=torch.float64, requires_grad=True)
+    for order in range(len(level["patches"])):
+        args = (level["patches"][order], level["slots"][order])
+        plain, ours = attn(x, *args), attn(x, *args, level["pads"])
+        assert torch.equal(plain, ours)
+        params = [x, *attn.parameters()]
+        for a, b in zip(torch.autograd.grad(plain.sin().sum(), params), torch.autograd.grad(ours.sin().sum(), params)):
+            assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_grid_pool_merges_the_voxels_of_each_cloud_only():

@@ -69,51 +69,56 @@ class SubMConv(nn.Module):
         if pairs is None:
             out = _NeighbourGather.apply(x, neighbours).flatten(1) @ self.weight
         else:
-            w = self.weight.view(27, x.shape[1], -1)
-            # Row N on both sides: the empty neighbour (zeros) and a sink for the padding pairs.
-            padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
-            out = torch.cat([x @ w[CENTRE], x.new_zeros(1, w.shape[2])])
-            for k, rows, cols in zip(OFF_CENTRE, pairs["rows"], pairs["cols"]):
-                out = _AddAtRows.apply(out, rows, _GatherRows.apply(padded, cols) @ w[k])
-            out = out[:-1]
+            out = _SparseNeighbourConv.apply(x, self.weight, *pairs["rows"], *pairs["cols"])
         return out if self.bias is None else out + self.bias
 
 
-# Within one offset no row or column repeats but the padding row, so adding into rows and
-# the gradient of gathering rows are plain stores: no accumulating scatter (atomic adds in
-# compiled CPU code, summed in thread order), and the padding row is thrown away.
-class _AddAtRows(torch.autograd.Function):
-    """``out`` with ``values`` added at ``rows`` (unique but for the last, padding row)."""
+class _SparseNeighbourConv(torch.autograd.Function):
+    """The submanifold convolution over the present neighbour pairs, offset by offset.
+
+    ``apply(x, weight, *rows, *cols)`` with the 26 row and 26 column lists of
+    :func:`~pimm_fn.models.serialization.neighbour_pairs`. Within one offset no row or
+    column repeats but the padding row N, so both the forward's additions into rows and the
+    backward's into columns are plain stores into one buffer (no accumulating scatter: in
+    compiled CPU code that is atomic adds, summed in thread order), and no gradient is ever
+    as large as the input per offset: one autograd node, sparse both ways.
+    """
 
     @staticmethod
-    def forward(out, rows, values):
-        return out.index_put((rows,), out[rows] + values)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        (rows,) = ctx.saved_tensors
-        return grad, None, grad[rows]
-
-
-class _GatherRows(torch.autograd.Function):
-    """``x[rows]`` for ``rows`` unique but for the last (padding) row of ``x``."""
-
-    @staticmethod
-    def forward(x, rows):
-        return x[rows]
+    def forward(x, weight, *index):
+        rows, cols = index[:26], index[26:]
+        w = weight.view(27, x.shape[1], -1)
+        # Row N on both sides: the empty neighbour (zeros) and a sink for the padding pairs.
+        padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+        out = torch.cat([x @ w[CENTRE], x.new_zeros(1, w.shape[2])])
+        for k, r, c in zip(OFF_CENTRE, rows, cols):
+            out = out.index_put((r,), out[r] + padded[c] @ w[k])
+        return out[:-1]
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0].new_empty(inputs[0].shape[0], 0), inputs[1])
+        ctx.save_for_backward(*inputs)
 
     @staticmethod
     def backward(ctx, grad):
-        like, rows = ctx.saved_tensors
-        return grad.new_zeros(like.shape[0], grad.shape[1]).index_put((rows,), grad), None
+        x, weight, *index = ctx.saved_tensors
+        rows, cols = index[:26], index[26:]
+        w = weight.view(27, x.shape[1], -1)
+        grad_padded = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.cat([grad @ w[CENTRE].T, grad.new_zeros(1, x.shape[1])])
+            for k, r, c in zip(OFF_CENTRE, rows, cols):
+                grad_x = grad_x.index_put((c,), grad_x[c] + grad_padded[r] @ w[k].T)
+            grad_x = grad_x[:-1]
+        if ctx.needs_input_grad[1]:
+            padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+            per_offset = [None] * 27
+            per_offset[CENTRE] = x.T @ grad
+            for k, r, c in zip(OFF_CENTRE, rows, cols):
+                per_offset[k] = padded[c].T @ grad_padded[r]
+            grad_w = torch.stack(per_offset).view_as(weight)
+        return (grad_x, grad_w) + (None,) * len(index)
 
 
 class _NeighbourGather(torch.autograd.Function):
@@ -166,14 +171,62 @@ class PatchAttention(nn.Module):
         self.qkv = nn.Linear(channels, 3 * channels)
         self.proj = nn.Linear(channels, channels)
 
-    def forward(self, x: torch.Tensor, patches: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, patches: torch.Tensor, slots: torch.Tensor,
+                pads: Optional[torch.Tensor] = None) -> torch.Tensor:
         m, k = patches.shape
         c = x.shape[1]
-        qkv = self.qkv(x).index_select(0, patches.flatten())
+        qkv = self.qkv(x)
+        if pads is None:
+            qkv = qkv.index_select(0, patches.flatten())
+        else:
+            qkv = _PatchGather.apply(qkv, patches.flatten(), slots, pads)
         qkv = qkv.reshape(m, k, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])  # [M, H, K, d]
-        out = out.transpose(1, 2).reshape(m * k, c).index_select(0, slots)
+        out = out.transpose(1, 2).reshape(m * k, c)
+        out = out.index_select(0, slots) if pads is None else _GatherUnique.apply(out, slots)
         return self.proj(out)
+
+
+# The gradients of the two patch gathers as gathers and plain stores. Autograd's own (an
+# accumulating scatter into zeros) becomes atomic adds over every row in compiled CPU code;
+# only the repeated slots need adding.
+class _PatchGather(torch.autograd.Function):
+    """``values[patches]`` for the flattened padded patches; ``slots`` [N] each point's own
+    slot, ``pads`` the slots that repeat a point (ending with two past the end)."""
+
+    @staticmethod
+    def forward(values, patches, slots, pads):
+        return values.index_select(0, patches)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[1:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        patches, slots, pads = ctx.saved_tensors
+        # Each point's own slot, then the repeats added in: a point past the end (the
+        # padding of pads) is point 0 receiving a zero row.
+        grad_padded = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
+        points = torch.cat([patches, patches.new_zeros(1)])[pads]
+        return grad.index_select(0, slots).index_add(0, points, grad_padded[pads]), None, None, None
+
+
+class _GatherUnique(torch.autograd.Function):
+    """``x[rows]`` for ``rows`` without repeats: the gradient is stored, not accumulated."""
+
+    @staticmethod
+    def forward(x, rows):
+        return x.index_select(0, rows)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0].new_empty(inputs[0].shape[0], 0), inputs[1])  # x's row count
+
+    @staticmethod
+    def backward(ctx, grad):
+        like, rows = ctx.saved_tensors
+        return grad.new_zeros(like.shape[0], grad.shape[1]).index_put((rows,), grad), None
 
 
 class Block(nn.Module):
@@ -195,7 +248,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, level: dict) -> torch.Tensor:
         x = x + self.cpe_norm(self.cpe_proj(self.cpe(x, level["neighbours"], level.get("pairs"))))
         o = self.order_index % len(level["patches"])
-        x = x + self.drop_path(self.attn(self.norm1(x), level["patches"][o], level["slots"][o]))
+        attn = self.attn(self.norm1(x), level["patches"][o], level["slots"][o], level.get("pads"))
+        x = x + self.drop_path(attn)
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 

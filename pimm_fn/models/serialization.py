@@ -8,7 +8,8 @@ needs besides its weights is integer structure computed from the voxel coordinat
 
     orders      one permutation of the points per curve
     patches     for each order, the point in each of K slots of every patch (clouds padded
-                to a multiple of K by repeating their own points), and each point's slot
+                to a multiple of K by repeating their own points), each point's slot, and
+                the slots that repeat a point
     neighbours  the 27 grid neighbours of each point (submanifold 3x3x3 convolution)
     pooling     the cluster (voxel of twice the size) each point merges into
 
@@ -103,7 +104,10 @@ def patch_slots(batch: torch.Tensor, num_clouds: int, patch: int):
     Each cloud of n points takes ceil(n / K) * K slots. A slot past the cloud's end repeats
     the point K slots before it (the cloud's previous patch), or for a cloud smaller than
     K its points in turn, so a patch never mixes clouds. Returns (source [P] sorted
-    position of each slot's point, slot [N] the slot of each sorted position).
+    position of each slot's point, slot [N] the slot of each sorted position, pads: the
+    repeating slots, then two entries P, a padding past the end: never shorter than 2,
+    the least size a compiled step traces as unknown). The pads depend on the cloud
+    sizes only, so they are the same for every order.
     """
     counts, starts = _cloud_ranges(batch, num_clouds)
     padded = (counts + patch - 1) // patch * patch
@@ -113,11 +117,13 @@ def patch_slots(batch: torch.Tensor, num_clouds: int, patch: int):
                                          output_size=total)
     local = torch.arange(total, device=batch.device) - pad_starts[slot_cloud]
     n = counts[slot_cloud]
-    local = torch.where(local < n, local, torch.where(n >= patch, local - patch, local % n.clamp_min(1)))
+    repeats = local >= n
+    local = torch.where(repeats, torch.where(n >= patch, local - patch, local % n.clamp_min(1)), local)
     source = starts[slot_cloud] + local
     position = torch.arange(batch.numel(), device=batch.device)
     slot = pad_starts[batch] + position - starts[batch]
-    return source, slot
+    pads = torch.cat([torch.nonzero(repeats).flatten(), torch.full((2,), total, device=batch.device)])
+    return source, slot, pads
 
 
 def _grid_key(grid: torch.Tensor, batch: torch.Tensor, extent: torch.Tensor) -> torch.Tensor:
@@ -213,6 +219,7 @@ def build_topology(grid_coord: torch.Tensor, offset: torch.Tensor, spec: Topolog
       ``pairs``      the present neighbours offset by offset (:func:`neighbour_pairs`),
       ``patches``    a list, per order, of [P_l / K_l, K_l] point indices (the padded patches),
       ``slots``      a list, per order, of [N_l] each point's slot in the flattened patches,
+      ``pads``       the slots that repeat a point (the same for every order; :func:`patch_slots`),
       ``pool``       [N_l] the point of level l + 1 each point merges into (not on the last level).
     Level sizes N_l and P_l vary with the batch; the list lengths and K_l do not.
     """
@@ -229,11 +236,12 @@ def build_topology(grid_coord: torch.Tensor, offset: torch.Tensor, spec: Topolog
         patches, slots = [], []
         for order in orders:
             perm = torch.argsort(serial_code(grid, batch, order))
-            source, slot = patch_slots(batch[perm], num_clouds, int(patch))
+            source, slot, pads = patch_slots(batch[perm], num_clouds, int(patch))
             patches.append(perm[source].reshape(-1, int(patch)))
             slots.append(torch.empty_like(slot).scatter_(0, perm, slot))
         neighbours = neighbour_map(grid, batch)
-        entry = {"neighbours": neighbours, "pairs": neighbour_pairs(neighbours), "patches": patches, "slots": slots}
+        entry = {"neighbours": neighbours, "pairs": neighbour_pairs(neighbours), "patches": patches, "slots": slots,
+                 "pads": pads}
         if level + 1 < spec.levels:
             entry["pool"], grid, batch = grid_pool(grid, batch, spec.stride)
         levels.append(entry)
