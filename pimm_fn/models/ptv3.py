@@ -73,6 +73,16 @@ class SubMConv(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+def _minus_product(base: torch.Tensor, a: torch.Tensor, neg_b: torch.Tensor) -> torch.Tensor:
+    """``base + a @ b`` given ``-b``, bit for bit (negation is exact, rounding symmetric).
+
+    Inductor's CPU lowering turns ``base + a @ b`` into ``addmm``, which first copies
+    ``base`` (here a gathered block) into its output: a copy and a kernel more per offset
+    than a matmul followed by one fused gather-add-store. A subtraction is not matched.
+    """
+    return base - a @ neg_b
+
+
 class _SparseNeighbourConv(torch.autograd.Function):
     """The submanifold convolution over the present neighbour pairs, offset by offset.
 
@@ -91,8 +101,9 @@ class _SparseNeighbourConv(torch.autograd.Function):
         # Row N on both sides: the empty neighbour (zeros) and a sink for the padding pairs.
         padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
         out = torch.cat([x @ w[CENTRE], x.new_zeros(1, w.shape[2])])
+        neg_w = -w  # see _minus_product
         for k, r, c in zip(OFF_CENTRE, rows, cols):
-            out = out.index_put((r,), out[r] + padded[c] @ w[k])
+            out = out.index_put((r,), _minus_product(out[r], padded[c], neg_w[k]))
         return out[:-1]
 
     @staticmethod
@@ -108,8 +119,9 @@ class _SparseNeighbourConv(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.cat([grad @ w[CENTRE].T, grad.new_zeros(1, x.shape[1])])
+            neg_wt = -w.transpose(1, 2)
             for k, r, c in zip(OFF_CENTRE, rows, cols):
-                grad_x = grad_x.index_put((c,), grad_x[c] + grad_padded[r] @ w[k].T)
+                grad_x = grad_x.index_put((c,), _minus_product(grad_x[c], grad_padded[r], neg_wt[k]))
             grad_x = grad_x[:-1]
         if ctx.needs_input_grad[1]:
             padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
