@@ -4,7 +4,8 @@
    ``compile_step`` versus the same core compiled bare with ``torch.compile(fullgraph=True)``
    and called on the inner state. The difference per call is what the boundary adds (RNG
    seeding, the host leaves, the finite check). Measured at the caller's stack depth and
-   again 60 frames deeper (a notebook calls from deep stacks).
+   again 60 frames deeper (a notebook calls from deep stacks), for the default step (which
+   runs its cache's saved step) and for one built with ``cache=False``.
 2. fit: one step function run as a bare ``for b in batches: state, m = step(state, b)`` loop
    and through ``fit`` (no callbacks; ProgressBar to /dev/null + TensorBoard every step +
    Checkpoint every epoch, "fit+all"; with ``--each`` each callback alone), each way with its
@@ -63,9 +64,13 @@ def _trivial_core(state, batch):
     return state.replace(step=state.step + 1), {"total": batch["x"].sum()}
 
 
+def _trivial_core_no_cache(state, batch):
+    return state.replace(step=state.step + 1), {"total": batch["x"].sum()}
+
+
 def _trivial_core_bare(state, batch):
-    # The same core as its own code object: dynamo keeps its compiled entries per code
-    # object, and the bare way must not share (and be slowed by) the step's entries.
+    # The same core as its own code object (as _trivial_core_no_cache): dynamo keeps its
+    # compiled entries per code object, and no way may share (and be slowed by) another's.
     return state.replace(step=state.step + 1), {"total": batch["x"].sum()}
 
 
@@ -77,43 +82,48 @@ def _at_depth(depth: int, fn, *args):
 
 
 def boundary(rounds: int, calls: int, deep: int = 60) -> dict:
-    """Per-call cost of ``compile_step``'s boundary over the bare compiled core, in microseconds."""
+    """Per-call cost of ``compile_step``'s boundary over the bare compiled core, in microseconds.
+
+    Two compiled steps: the default one, which goes through the step cache (a fresh folder
+    here, so it compiles and saves, then runs the saved step: what every process runs,
+    the first included), and one built with ``cache=False`` (``torch.compile``'s own
+    entry, as eager-fallback and ``fullgraph=False`` steps and an opted-out cache run).
+    """
     model = MLPClassifier(8, 2, hidden=(8,))
     state = TrainState.create(model, optim.sgd(0.1), seed=0)
     batch = {"x": torch.randn(4, 8)}
-    step = compile_step(Step(_trivial_core, name="trivial"))
+    cache_dir = tempfile.TemporaryDirectory(prefix="pimm_fn_boundary_cache_")
+    steps = {"step": compile_step(Step(_trivial_core, name="trivial"), cache=cache_dir.name),
+             "step_no_cache": compile_step(Step(_trivial_core_no_cache, name="trivial"), cache=False)}
     bare = torch.compile(_trivial_core_bare, fullgraph=True)
-    inner = state.replace(rng=None, cursor=None)
-    holders = {"step": state, "bare": inner}
+    holders = dict.fromkeys(steps, state)
+    holders["bare"] = state.replace(rng=None, cursor=None)
 
-    def run_step(n):
-        s = holders["step"]
-        for _ in range(n):
-            s, _ = step(s, batch)
-        holders["step"] = s
+    def way(name, fn):
+        def run(n):
+            s = holders[name]
+            for _ in range(n):
+                s, _ = fn(s, batch)
+            holders[name] = s
+        return run
 
-    def run_bare(n):
-        s = holders["bare"]
-        for _ in range(n):
-            s, _ = bare(s, batch)
-        holders["bare"] = s
-
-    ways = {"step": run_step, "bare": run_bare}
+    ways = {name: way(name, fn) for name, fn in (*steps.items(), ("bare", bare))}
     for fn in ways.values():
         fn(50)  # compile, warm
     out = {}
     for label, depth in (("shallow", 0), ("deep", deep)):
         times = {k: [] for k in ways}
         for r in range(rounds):
-            order = list(ways) if r % 2 == 0 else list(ways)[::-1]
+            order = list(ways)[r % len(ways):] + list(ways)[:r % len(ways)]
             for k in order:
                 t0 = time.perf_counter()
                 _at_depth(depth, ways[k], calls)
                 times[k].append((time.perf_counter() - t0) / calls * 1e6)
         med = {k: statistics.median(v) for k, v in times.items()}
         out[label] = {"depth": depth, "us_per_call": med, "boundary_us": med["step"] - med["bare"],
-                      "per_round_us": times}
-    out["compile_count"] = step.compile_count
+                      "boundary_no_cache_us": med["step_no_cache"] - med["bare"], "per_round_us": times}
+    out["compile_count"] = {k: s.compile_count for k, s in steps.items()}
+    cache_dir.cleanup()
     return out
 
 
@@ -240,14 +250,16 @@ def table(res: dict) -> str:
     if b:
         lines += [
             "",
-            "step boundary (compile_step call minus the bare compiled core), us per call:",
-            "| caller stack | compiled step | bare core | boundary |",
-            "|---|---|---|---|",
+            "step boundary (compile_step call minus the bare compiled core), us per call; the default",
+            "step runs the saved step of its cache, the other is built with cache=False:",
+            "| caller stack | compiled step (default) | bare core | boundary | compiled step, cache=False | boundary |",
+            "|---|---|---|---|---|---|",
         ]
         for label in ("shallow", "deep"):
             d = b[label]
-            lines.append(f"| {label} (+{d['depth']} frames) | {d['us_per_call']['step']:.1f} | "
-                         f"{d['us_per_call']['bare']:.1f} | **{d['boundary_us']:.1f}** |")
+            us = d["us_per_call"]
+            lines.append(f"| {label} (+{d['depth']} frames) | {us['step']:.1f} | {us['bare']:.1f} | "
+                         f"**{d['boundary_us']:.1f}** | {us['step_no_cache']:.1f} | {d['boundary_no_cache_us']:.1f} |")
     f = res["fit"]
     bare_us = f["wall"]["fastest_us_per_step"]["bare_loop"]
     lines += [
