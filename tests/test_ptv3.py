@@ -125,6 +125,25 @@ def test_sparse_submconv_equals_the_dense_gather_form(cin):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+def test_sparse_submconv_back_propagates_under_bfloat16_autocast(input_dtype):
+    # Under autocast the forward's products run in bfloat16 and a block's input may itself
+    # be bfloat16; the backward runs outside autocast and must not mix dtypes.
+    from pimm_fn.models.ptv3 import SubMConv
+
+    grid = torch.unique(torch.randint(0, 7, (300, 3)), dim=0)
+    nb = neighbour_map(grid, torch.zeros(len(grid), dtype=torch.long))
+    torch.manual_seed(0)
+    conv = SubMConv(8, 8)
+    x = torch.randn(len(grid), 8).to(input_dtype).requires_grad_(True)
+    reference = torch.autograd.grad(conv(x.float(), nb, neighbour_pairs(nb)).sum(), [conv.weight])[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = conv(x, nb, neighbour_pairs(nb))
+    grad_x, grad_w = torch.autograd.grad(out.float().sum(), [x, conv.weight])
+    assert grad_x.dtype == input_dtype and grad_w.dtype == torch.float32
+    assert torch.allclose(grad_w, reference, rtol=0.05, atol=0.05 * float(reference.abs().max()))
+
+
 def test_patch_attention_gradients_through_the_repeated_slots_equal_autograds():
     # Clouds smaller than K repeat points several times, larger ones once: both kinds of
     # repeat go through _PatchGather's backward; a cloud of exactly K repeats none.

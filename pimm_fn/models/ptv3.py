@@ -114,7 +114,10 @@ class _SparseNeighbourConv(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, *index = ctx.saved_tensors
         rows, cols = index[:26], index[26:]
-        w = weight.view(27, x.shape[1], -1)
+        # In the gradient's dtype: under autocast the forward's products ran in a lower
+        # precision, and the backward runs outside autocast.
+        x_dtype, x = x.dtype, x.to(grad.dtype)
+        w = weight.view(27, x.shape[1], -1).to(grad.dtype)
         grad_padded = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
@@ -122,14 +125,14 @@ class _SparseNeighbourConv(torch.autograd.Function):
             neg_wt = -w.transpose(1, 2)
             for k, r, c in zip(OFF_CENTRE, rows, cols):
                 grad_x = grad_x.index_put((c,), _minus_product(grad_x[c], grad_padded[r], neg_wt[k]))
-            grad_x = grad_x[:-1]
+            grad_x = grad_x[:-1].to(x_dtype)
         if ctx.needs_input_grad[1]:
             padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
             per_offset = [None] * 27
             per_offset[CENTRE] = x.T @ grad
             for k, r, c in zip(OFF_CENTRE, rows, cols):
                 per_offset[k] = padded[c].T @ grad_padded[r]
-            grad_w = torch.stack(per_offset).view_as(weight)
+            grad_w = torch.stack(per_offset).view_as(weight).to(weight.dtype)
         return (grad_x, grad_w) + (None,) * len(index)
 
 
