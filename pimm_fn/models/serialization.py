@@ -233,10 +233,12 @@ def build_topology(grid_coord: torch.Tensor, offset: torch.Tensor, spec: Topolog
         orders = list(spec.orders)
         if spec.shuffle_orders and len(orders) > 1:
             orders = [orders[i] for i in torch.randperm(len(orders), generator=generator).tolist()]
+        # Every order keeps the clouds contiguous and in batch order (batch is sorted at every
+        # level), so the padded layout of the sorted points is one for all orders.
+        source, slot, pads = patch_slots(batch, num_clouds, int(patch))
         patches, slots = [], []
         for order in orders:
             perm = torch.argsort(serial_code(grid, batch, order))
-            source, slot, pads = patch_slots(batch[perm], num_clouds, int(patch))
             patches.append(perm[source].reshape(-1, int(patch)))
             slots.append(torch.empty_like(slot).scatter_(0, perm, slot))
         neighbours = neighbour_map(grid, batch)
