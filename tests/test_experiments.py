@@ -239,14 +239,18 @@ LEARN_STEPS = 30
 LEARN_MARGIN = 0.7   # loss after LEARN_STEPS on one batch <= 0.7 x the first step's loss
 
 
-@pytest.mark.parametrize("name", ["lidar_seg", "frog_seg", "digits_cls", "multi_dataset_seg", "instance_seg",
-                                  "ptv3_seg", "particle_seg"])
+@pytest.mark.parametrize("name", ["lidar_seg", "frog_seg", "frog_seg:model=ptv3", "digits_cls", "multi_dataset_seg",
+                                  "instance_seg", "ptv3_seg", "particle_seg"])
 def test_experiment_learns_one_batch(name, tmp_path):
     from pimm_fn.experiment import RunContext, experiment_settings, load_experiment
 
     torch.set_num_threads(1)
+    name, _, override = name.partition(":")
     mod = load_experiment(name)
     settings = {**experiment_settings(mod, quick=True), "compile": False, "epochs": LEARN_STEPS}
+    if override:
+        key, _, value = override.partition("=")
+        settings[key] = value
     try:
         run = mod.build(settings, RunContext(save_path=tmp_path, quick=True))
     except Exception as err:  # the data set is not fetched here
@@ -262,3 +266,12 @@ def test_experiment_learns_one_batch(name, tmp_path):
     assert losses[-1] <= LEARN_MARGIN * losses[0], (
         f"{name}: loss {losses[0]:.4f} -> {losses[-1]:.4f} in {LEARN_STEPS} steps: {losses}"
     )
+
+
+def test_frog_seg_names_an_unknown_model():
+    from pimm_fn.experiment import experiment_settings, load_experiment
+
+    mod = load_experiment("frog_seg")
+    settings = {**experiment_settings(mod, quick=True), "model": "ptv2"}
+    with pytest.raises(ValueError, match="model must be one of pointseg, ptv3.*--set model=ptv3"):
+        mod.make_model(settings, None)
