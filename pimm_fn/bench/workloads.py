@@ -19,6 +19,9 @@ The models are the package's own (:mod:`pimm_fn.models`), the optimizer is
   channels, patches 128/64/32, drop path off so every way draws no random numbers) on real
   LiDAR batches of 4 voxelised blocks each (point counts vary; the topology comes with the
   batch from the collate).
+- ptv3_deep: the same with two blocks per level (encoder 2/2/2, decoder 2/2): 209 parameter
+  tensors, 2.17M parameters, the size of model issue 35's eager-step target names (~200
+  tensors), where the per-tensor cost of an update counts most.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ def make_optimizer():
 
 PTV3_CONFIG = dict(enc_depths=(1, 1, 2), enc_channels=(32, 64, 128), enc_heads=(2, 4, 8), dec_depths=(1, 1),
                    dec_channels=(32, 64), dec_heads=(2, 4), patch_size=(128, 64, 32), drop_path=0.0)
+PTV3_DEEP_CONFIG = dict(PTV3_CONFIG, enc_depths=(2, 2, 2), dec_depths=(2, 2))
 
 MODELS = {
     "mlp": (lambda: MLPClassifier(256, 10, hidden=(512, 512)),
@@ -57,6 +61,7 @@ MODELS = {
     "cnn": (lambda: ImageClassifier(3, 10, width=32, depth=3),
             "pimm_fn.models.ImageClassifier(3, 10, width=32, depth=3)"),
     "ptv3": (lambda: PTv3(4, 3, **PTV3_CONFIG), f"pimm_fn.models.PTv3(4, 3, **{PTV3_CONFIG})"),
+    "ptv3_deep": (lambda: PTv3(4, 3, **PTV3_DEEP_CONFIG), f"pimm_fn.models.PTv3(4, 3, **{PTV3_DEEP_CONFIG})"),
 }
 
 
@@ -169,7 +174,12 @@ def ptv3(n_batches: int = 8, device=None):
     return _workload("ptv3", lidar_ptv3_batches(n_batches), device)
 
 
-WORKLOADS = {"mlp": mlp, "pointseg": pointseg, "pointseg_fixed": pointseg_fixed, "cnn": cnn, "ptv3": ptv3}
+def ptv3_deep(n_batches: int = 8, device=None):
+    return _workload("ptv3_deep", lidar_ptv3_batches(n_batches), device)
+
+
+WORKLOADS = {"mlp": mlp, "pointseg": pointseg, "pointseg_fixed": pointseg_fixed, "cnn": cnn, "ptv3": ptv3,
+             "ptv3_deep": ptv3_deep}
 
 
 # --------------------------------------------------------------------------------------
