@@ -257,7 +257,7 @@ def _points(sizes, seed=0):
     g = torch.Generator().manual_seed(seed)
     n = sum(sizes)
     return {"feat": torch.randn(n, 4, generator=g), "segment": torch.randint(0, 3, (n,), generator=g),
-            "offset": torch.tensor(sizes).cumsum(0)}
+            "offset": torch.tensor(sizes).cumsum(0), "name": [f"batch{seed}/cloud{i}" for i in range(len(sizes))]}
 
 
 @pytest.mark.usefixtures("one_thread")  # the gather's backward scatters: bitwise only on one thread
@@ -280,3 +280,35 @@ def test_one_saved_point_step_serves_every_point_count_in_the_next_process(tmp_p
     new, m = again(state_b, b)
     ref, m_ref = steps.supervised()(state_b, b)
     assert again.compile_count == 0 and torch.allclose(m["loss"], m_ref["loss"], atol=1e-6)
+    # Another run (a new seed, a resumed epoch) starts on other clouds: their names are not
+    # read by the step, so the same artifact serves it.
+    shuffled = compile_step(steps.supervised(), cache=tmp_path)
+    _run(shuffled, fresh(), batches[2:] + batches[:2])
+    assert shuffled.loaded_from_cache and shuffled.compile_count == 0, shuffled.recompile_reasons
+
+
+class _ReadsMode(torch.nn.Module):
+    """Branches on a string of the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, batch):
+        loss = torch.nn.functional.cross_entropy(self.fc(batch["x"]), batch["y"])
+        return {"loss": loss * 2 if batch["mode"] == "double" else loss}
+
+
+def test_a_step_that_reads_a_string_of_the_batch_is_never_served_the_other_value(tmp_path):
+    def fresh():
+        torch.manual_seed(0)
+        return TrainState.create(_ReadsMode(), optim.sgd(0.1), seed=0)
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+    _, doubled = compile_step(steps.supervised(), cache=tmp_path)(fresh(), {"x": x, "y": y, "mode": "double"})
+    single = compile_step(steps.supervised(), cache=tmp_path)
+    _, m = single(fresh(), {"x": x, "y": y, "mode": "single"})
+    # Strings are not in the key; the artifact's own guard on the value rejects it.
+    assert single.compile_count >= 1 and "guards rejected" in single.recompile_reasons[0]
+    assert float(m["loss"]) == pytest.approx(float(doubled["loss"]) / 2, rel=1e-6)

@@ -252,7 +252,8 @@ def fingerprint(core, state) -> str:
 
 
 def leaves_key(inner_state, batch, shapes: bool = True) -> str:
-    """Paths, dtypes, devices, and (``shapes``) shapes and strides of the traced inputs.
+    """Paths, dtypes, devices, and (``shapes``) shapes and strides of the traced inputs;
+    the values of other leaves, strings (sample names) excepted.
 
     Dims marked unbacked (a point batch's point counts) are left out of the shapes: the
     artifact serves every size. A step compiled ``dynamic=True`` leaves shapes out: its
@@ -268,6 +269,11 @@ def leaves_key(inner_state, batch, shapes: bool = True) -> str:
             shape = tuple(None if d in unbacked else n for d, n in enumerate(leaf.shape))
             size = (shape, tuple(leaf.stride())) if shapes else leaf.dim()
             parts.append((str(p), size, str(leaf.dtype), str(leaf.device), leaf.requires_grad))
+        elif isinstance(leaf, str):
+            # A batch's sample names: a step that read one would guard on it (and recompile
+            # every batch), so the artifact serves any names; keying on them made every run
+            # that starts on other samples (a new seed, a resumed epoch) compile again.
+            parts.append((str(p), "str"))
         else:
             parts.append((str(p), type(leaf).__name__, repr(leaf)))
     return hashlib.sha256(repr(parts).encode()).hexdigest()
