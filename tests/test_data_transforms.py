@@ -60,6 +60,19 @@ def test_crop_keeps_max_points_and_alignment():
         T.crop_points(10, "nope")
 
 
+def test_random_dropout_keeps_a_seeded_share_of_aligned_points():
+    s = scene()
+    n = s["coord"].shape[0]
+    out = T.random_dropout(0.25, p=1.0)(s, gen(3))
+    assert out["coord"].shape[0] == int(n * 0.75) == out["segment"].shape[0] == out["instance"].shape[0]
+    rows = {tuple(r) for r in s["coord"].tolist()}
+    assert all(tuple(r) in rows for r in out["coord"].tolist())  # a subset, points whole
+    assert torch.equal(out["coord"], T.random_dropout(0.25, p=1.0)(s, gen(3))["coord"])
+    assert T.random_dropout(0.25, p=0.0)(s, gen(3)) is s
+    with pytest.raises(ValueError, match="ratio must be in"):
+        T.random_dropout(1.0)
+
+
 def test_center_and_feat():
     s = T.center_shift(apply_z=False)(scene(), gen())
     lo, hi = s["coord"].min(0).values, s["coord"].max(0).values

@@ -168,6 +168,25 @@ def grid_sample(grid_size: float, mode: str = "train") -> Transform:
     return t
 
 
+def random_dropout(ratio: float = 0.2, p: float = 0.2) -> Transform:
+    """With probability ``p``, keep a random ``1 - ratio`` of the points (Pointcept's
+    RandomDropout: the cloud's density varies between epochs, which small training sets
+    otherwise let a net memorise)."""
+    if not 0.0 <= ratio < 1.0 or not 0.0 <= p <= 1.0:
+        raise ValueError(f"random_dropout: ratio must be in [0, 1) and p in [0, 1], got ratio={ratio!r}, p={p!r}")
+
+    def t(sample, g):
+        applies = bool(torch.rand((), generator=g) < p)
+        if not applies:
+            return sample
+        sample = to_tensors(sample)
+        n = sample["coord"].shape[0]
+        keep = torch.sort(torch.randperm(n, generator=g)[: max(1, int(n * (1.0 - ratio)))]).values
+        return select_points(sample, keep)
+
+    return t
+
+
 def crop_points(max_points: int, mode: str = "random") -> Transform:
     """Keep at most ``max_points``: the nearest ones to a random point ("random"), to the
     centroid ("center"), or a random subset ("subsample")."""
