@@ -158,15 +158,17 @@ def interleave(ways, batches, rounds, steps, start):
 
 
 def memory_pass(ways, batches, start):
-    """Peak extra memory of one (untimed) step per way: CUDA peak, or torch's CPU allocator
+    """Peak extra memory of one (untimed) step per way, all on the same batch (point batches
+    differ in size, and so does a step's peak): CUDA peak, or torch's CPU allocator
     accounting (profiler memory events) on CPU; see pimm_fn.bench.PeakMemory."""
     out, method = {}, None
-    for i, (name, w) in enumerate(ways.items()):
+    batch = batches[start % len(batches)]
+    for name, w in ways.items():
         if name == "jax":  # XLA's buffers are not torch's allocator: not measured
             continue
         mem = PeakMemory(torch.device("cpu"))
         with mem:
-            w.run(batches[(start + i) % len(batches)])
+            w.run(batch)
         out[name], method = mem.peak_bytes, mem.method
     return out, method
 
