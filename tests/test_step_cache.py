@@ -73,6 +73,22 @@ def test_anything_baked_into_the_step_changes_the_key():
     for what, key in changed.items():
         assert key != base, what
 
+    # A setting kept as a plain attribute of the model (the loss a forward picks) is part of the
+    # step. The hasher once recorded the ids of temporaries it had freed, so a later dict
+    # could take such an id and hash as already seen: these two keys came out equal.
+    class _Configured(torch.nn.Module):
+        def __init__(self, loss):
+            super().__init__()
+            self.fc, self.loss = torch.nn.Linear(16, 4), loss
+
+        def forward(self, batch):
+            return {"loss": self.fc(batch["x"]).logsumexp(1).mean()}
+
+    def configured(loss):
+        return TrainState.create(_Configured(loss), optim.sgd(0.1), seed=0)
+
+    assert step_cache.fingerprint(core, configured("ce")) != step_cache.fingerprint(core, configured("ce+lovasz"))
+
     def user_core(state, batch):
         return state, {"t": torch.tensor(THRESHOLD)}
 
@@ -114,11 +130,11 @@ def test_the_key_is_the_same_in_every_process():
     code = (
         "import torch\n"
         "from pimm_fn import TrainState, optim, schedules, steps\nfrom pimm_fn.compile import cache as step_cache\n"
-        "from pimm_fn.models import PointSegNet\n"
+        "from pimm_fn.models import PointSegNet, PTv3\n"
         "torch.manual_seed(0)\n"
-        "m = PointSegNet(in_channels=4, num_classes=3)\n"
-        "s = TrainState.create(m, optim.adamw(schedules.one_cycle(100, 1e-3)), seed=0)\n"
-        "print(step_cache.fingerprint(steps.supervised(clip_grad=1.0).core, s))\n"
+        "for m in (PointSegNet(in_channels=4, num_classes=3), PTv3(4, 3, loss='ce+lovasz')):\n"
+        "    s = TrainState.create(m, optim.adamw(schedules.one_cycle(100, 1e-3)), seed=0)\n"
+        "    print(step_cache.fingerprint(steps.supervised(clip_grad=1.0).core, s))\n"
     )
     keys = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
@@ -312,3 +328,28 @@ def test_a_step_that_reads_a_string_of_the_batch_is_never_served_the_other_value
     # Strings are not in the key; the artifact's own guard on the value rejects it.
     assert single.compile_count >= 1 and "guards rejected" in single.recompile_reasons[0]
     assert float(m["loss"]) == pytest.approx(float(doubled["loss"]) / 2, rel=1e-6)
+
+
+class _PointsReadMode(_PointHead):
+    """A point model that branches on a string of the batch."""
+
+    def forward(self, batch):
+        out = super().forward(batch)
+        return {"loss": out["loss"] * 2 if batch["mode"] == "double" else out["loss"]}
+
+
+def test_a_point_step_the_cached_one_rejects_compiles_once_for_every_point_count(tmp_path):
+    def fresh():
+        torch.manual_seed(2)
+        return TrainState.create(_PointsReadMode(), optim.sgd(0.1), seed=0)
+
+    batches = [{**_points(s, seed=i), "mode": "single"} for i, s in enumerate([(70, 50), (33, 91), (120, 7)])]
+    compile_step(steps.supervised(), cache=tmp_path)(fresh(), {**batches[0], "mode": "double"})
+    step = compile_step(steps.supervised(), cache=tmp_path)
+    state, _ = _run(step, fresh(), batches)
+    # The saved step's guard on the string rejects the first batch; what compiles then serves
+    # every point count (compiled static, each new count compiled again).
+    assert step.compile_count == 1 and "guards rejected" in step.recompile_reasons[0], step.recompile_reasons
+    ref, _ = _run(steps.supervised(), fresh(), batches)
+    for k in ref.params:
+        assert torch.allclose(state.params[k], ref.params[k], atol=1e-6)

@@ -95,7 +95,10 @@ class _Hasher:
 
     def __init__(self):
         self.h = hashlib.sha256()
-        self._seen: set = set()
+        # id -> the object, held so that its id stays its own: a temporary (a dict built to
+        # be hashed) freed while hashing could hand its id to a later object, which would
+        # then hash as "<seen>" and drop out of the key.
+        self._seen: dict = {}
 
     def text(self, s: str) -> None:
         self.h.update(s.encode("utf-8", "backslashreplace"))
@@ -114,7 +117,7 @@ class _Hasher:
         if id(obj) in self._seen:
             self.text("<seen>")
             return
-        self._seen.add(id(obj))
+        self._seen[id(obj)] = obj
         d = depth + 1
         if isinstance(obj, torch.Tensor):
             t = obj.detach()

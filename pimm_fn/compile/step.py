@@ -312,7 +312,11 @@ class CompiledStep:
                 # with the dims that changed dynamic (the cached graph was the static one).
                 self.recompile_reasons.append(f"the cached step's guards rejected the input: {err}"[:500])
                 self._precompiled = None
-                if self._dynamic is None:
+                if self._points_marked:
+                    # A point step compiles once for every point count, as it would have
+                    # without the cache (static first, it would compile again per new size).
+                    mark_point_batch_dynamic(batch)
+                elif self._dynamic is None:
                     step_cache.mark_changed_dims(self._first_shapes, batch)
         try:
             return self._run_whole(self._core, state, batch)
