@@ -348,7 +348,7 @@ def test_a_point_step_the_cached_one_rejects_compiles_once_for_every_point_count
     step = compile_step(steps.supervised(), cache=tmp_path)
     state, _ = _run(step, fresh(), batches)
     # The saved step's guard on the string rejects the first batch; what compiles then serves
-    # every point count (compiled static, each new count compiled again).
+    # every point count (it used to compile static, and again for each new count).
     assert step.compile_count == 1 and "guards rejected" in step.recompile_reasons[0], step.recompile_reasons
     ref, _ = _run(steps.supervised(), fresh(), batches)
     for k in ref.params:

@@ -308,13 +308,13 @@ class CompiledStep:
             except RuntimeError as err:
                 if not step_cache.is_guard_failure(err):
                     raise
-                # A new shape or dtype: from now on the step compiles as without a cache,
-                # with the dims that changed dynamic (the cached graph was the static one).
+                # A new shape, dtype or guarded value: from now on the step compiles as
+                # without a cache. A point batch's point dims are traced unbacked, as on a
+                # first call (static, every new count would compile again); otherwise the
+                # dims that changed are dynamic (the cached graph was the static one).
                 self.recompile_reasons.append(f"the cached step's guards rejected the input: {err}"[:500])
                 self._precompiled = None
                 if self._points_marked:
-                    # A point step compiles once for every point count, as it would have
-                    # without the cache (static first, it would compile again per new size).
                     mark_point_batch_dynamic(batch)
                 elif self._dynamic is None:
                     step_cache.mark_changed_dims(self._first_shapes, batch)

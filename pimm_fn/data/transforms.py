@@ -181,10 +181,14 @@ def random_dropout(ratio: float = 0.2, p: float = 0.2) -> Transform:
             return sample
         sample = to_tensors(sample)
         n = sample["coord"].shape[0]
-        keep = torch.sort(torch.randperm(n, generator=g)[: max(1, int(n * (1.0 - ratio)))]).values
-        return select_points(sample, keep)
+        return _random_subset(sample, n, max(1, int(n * (1.0 - ratio))), g)
 
     return t
+
+
+def _random_subset(sample: dict, n: int, k: int, g) -> dict:
+    """``k`` of the sample's ``n`` points drawn at random, kept in their original order."""
+    return select_points(sample, torch.sort(torch.randperm(n, generator=g)[:k]).values)
 
 
 def crop_points(max_points: int, mode: str = "random") -> Transform:
@@ -200,15 +204,13 @@ def crop_points(max_points: int, mode: str = "random") -> Transform:
         if n <= max_points:
             return sample
         if mode == "subsample":
-            keep = torch.sort(torch.randperm(n, generator=g)[:max_points]).values
+            return _random_subset(sample, n, max_points, g)
+        if mode == "random":
+            centre = coord[int(torch.randint(n, (), generator=g))]
         else:
-            if mode == "random":
-                centre = coord[int(torch.randint(n, (), generator=g))]
-            else:
-                centre = coord.mean(0)
-            d = ((coord - centre) ** 2).sum(1)
-            keep = torch.sort(torch.topk(d, max_points, largest=False).indices).values
-        return select_points(sample, keep)
+            centre = coord.mean(0)
+        d = ((coord - centre) ** 2).sum(1)
+        return select_points(sample, torch.sort(torch.topk(d, max_points, largest=False).indices).values)
 
     return t
 
