@@ -179,6 +179,20 @@ def generator_untouched_by_this_thread():
                 _RNG_SETTERS.clear()
 
 
+def trace_inductor_dummy_module() -> None:
+    """Run now, on this thread, the one ``torch.fx.symbolic_trace`` inductor makes per process
+    (``loop_body.InterpreterShim._dummy_gm``, cached; torch 2.13).
+
+    FX's symbolic tracer replaces ``nn.Module.__call__`` for the whole process while it
+    traces. Made first by a background compile, that trace catches the module calls of an
+    eager step running meanwhile on the main thread, which then fail ("module is not
+    installed as a submodule"). Made here, before the compile thread starts, it cannot.
+    """
+    from torch._inductor.loop_body import InterpreterShim
+
+    InterpreterShim._dummy_gm()
+
+
 def dynamo_compile_hooks(start, end):
     """A function that makes dynamo call ``start()`` before it traces a frame and ``end()``
     once that compile is over (the outermost compile only). Call it before each use:

@@ -139,3 +139,26 @@ def test_a_step_that_cannot_compile_says_so_after_its_eager_calls():
             state, _ = step(state, batches[calls % len(batches)])
             calls += 1
     assert calls >= 1 and "data-dependent" in str(err.value).lower(), str(err.value)[:500]
+
+
+def test_the_compile_thread_never_makes_inductors_one_fx_symbolic_trace(monkeypatch):
+    # FX's symbolic tracer swaps nn.Module.__call__ for the whole process while it runs: made
+    # by the compile thread, it caught the main thread's eager module calls (a NameError in
+    # the test above, once in a while). BackgroundCompile.start makes it first, on its caller.
+    from pimm_fn.compile.background import BackgroundCompile
+
+    traced_on = []
+    original = torch.fx.Tracer.trace
+
+    def trace(self, *args, **kwargs):
+        traced_on.append(threading.current_thread().name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.fx.Tracer, "trace", trace)
+    from torch._inductor.loop_body import InterpreterShim
+
+    InterpreterShim._dummy_gm.cache_clear()
+    job = BackgroundCompile(lambda: InterpreterShim._dummy_gm(), "dummy")
+    job.start()
+    job.result()
+    assert traced_on == [threading.current_thread().name]

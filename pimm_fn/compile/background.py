@@ -56,6 +56,7 @@ class BackgroundCompile:
 
     def start(self) -> None:
         if self._thread is None:
+            torch_compat.trace_inductor_dummy_module()  # on the stepping thread: see there
             self._thread = threading.Thread(target=self._run, name=f"pimm_fn-compile-{self._name}", daemon=True)
             self._thread.start()
 
