@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import collections.abc
 import itertools
-from typing import Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 __all__ = ["resolve_iters_per_epoch"]
 
@@ -53,12 +53,16 @@ def resolve_iters_per_epoch(loader, iters_per_epoch: Optional[int] = None) -> in
     return n
 
 
-def _samples(batch) -> int:
-    # Imported here: importing pimm_fn.data loads the data stack, which `import pimm_fn`
-    # (fit included) must not.
+def _sample_counter() -> Callable[[Any], int]:
+    """``batch -> samples`` by :func:`pimm_fn.data.count_batch`. Imported when a run starts,
+    not with this module: importing pimm_fn.data loads the data stack, which
+    `import pimm_fn` (fit included) must not."""
     from ..data.count import count_batch
 
-    return count_batch(batch).samples
+    def samples(batch) -> int:
+        return count_batch(batch).samples
+
+    return samples
 
 
 class _Source:
@@ -80,7 +84,7 @@ class _Source:
         self.iters_per_epoch = resolve_iters_per_epoch(loader, iters_per_epoch)
         self.world_size = max(1, int(getattr(loader, "world_size", 1) or 1))
         samples_in = getattr(loader, "samples_in", None)
-        self.samples_in = samples_in if callable(samples_in) else _samples
+        self.samples_in = samples_in if callable(samples_in) else _sample_counter()
 
     def iter_epoch(self, epoch: int, start: int) -> Iterator:
         if self.protocol:
