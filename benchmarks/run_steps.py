@@ -11,6 +11,8 @@ for ``--steps`` steps (the order rotates per round), so load on a shared machine
 all ways alike; each way's figure is the median (and min) step time over all rounds,
 quoted as a ratio to the seed-style eager trainer (``seed_eager``: nn.Module +
 AdamW(foreach=True) + clip_grad_norm_ + OneCycleLR, the seed's run_step).
+``seed_default`` is the same with AdamW's own default implementation, as Pointcept builds
+its optimizer: on the CPU torch picks the per-tensor loop (foreach only on accelerators).
 
 The ``jax`` way (benchmarks/jax_ways.py) runs the same models reimplemented in JAX
 (jit + optax: clip_by_global_norm + adamw over the same one-cycle lr) from the same
@@ -49,9 +51,11 @@ from pimm_fn.bench import workloads as W
 from pimm_fn.compile import compile_step
 from pimm_fn.data import count_batch
 
-WAYS = ("seed_eager", "seed_fused", "pimm_eager", "pimm_compiled", "compile_model", "compile_model_opt", "jax")
+WAYS = ("seed_eager", "seed_default", "seed_fused", "pimm_eager", "pimm_compiled", "compile_model", "compile_model_opt",
+        "jax")
 LABELS = {
     "seed_eager": "seed-style eager (AdamW foreach)",
+    "seed_default": "seed-style eager (AdamW default)",
     "seed_fused": "eager, AdamW(fused=True)",
     "pimm_eager": "pimm_fn step, eager",
     "pimm_compiled": "pimm_fn step, compiled",
@@ -116,7 +120,8 @@ def build_ways(wl, only=WAYS):
 
             ways[name] = Way(name, run, counter=step)
         else:
-            kw = {"seed_eager": {}, "seed_fused": {"fused": True}, "compile_model": {"compile_model": True},
+            kw = {"seed_eager": {}, "seed_default": {"foreach": None}, "seed_fused": {"fused": True},
+                  "compile_model": {"compile_model": True},
                   "compile_model_opt": {"compile_model": True, "compile_optimizer": True}}[name]
             train_step = W.seed_trainer(copy.deepcopy(model0), **kw)
             ways[name] = Way(name, lambda batch, ts=train_step: ts(batch))

@@ -185,11 +185,13 @@ WORKLOADS = {"mlp": mlp, "pointseg": pointseg, "pointseg_fixed": pointseg_fixed,
 # --------------------------------------------------------------------------------------
 # the Pointcept-style eager trainer (Pointcept's run_step, without AMP)
 # --------------------------------------------------------------------------------------
-def seed_trainer(model: nn.Module, *, fused=False, compile_model=False, compile_optimizer=False):
+def seed_trainer(model: nn.Module, *, fused=False, foreach=True, compile_model=False, compile_optimizer=False):
     """A ``train_step(batch)`` doing what Pointcept's run_step does.
 
     forward; zero_grad; backward; clip_grad_norm_; AdamW step; OneCycleLR step.
-    fused: AdamW(fused=True) instead of foreach. compile_model: torch.compile(model).
+    fused: AdamW(fused=True) instead of foreach. foreach=None: AdamW's own default, as
+    Pointcept builds it (on the CPU torch picks the per-tensor loop, foreach only on
+    accelerators). compile_model: torch.compile(model).
     compile_optimizer: PyTorch's compiled-optimizer recipe (the tutorial "Compiling the
     optimizer with torch.compile"): the lr is a tensor so the scheduler does not
     recompile, and clip + optimizer.step run under torch.compile.
@@ -200,7 +202,7 @@ def seed_trainer(model: nn.Module, *, fused=False, compile_model=False, compile_
     lr = torch.tensor(MAX_LR) if compile_optimizer else MAX_LR
     # The recipe's tensor lr is not allowed with an explicit foreach=True (capturable=False);
     # under torch.compile the step is traced and fused whatever the eager implementation.
-    kw = {"fused": True} if fused else ({} if compile_optimizer else {"foreach": True})
+    kw = {"fused": True} if fused else ({} if compile_optimizer or foreach is None else {"foreach": foreach})
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, **kw)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=MAX_LR, total_steps=TOTAL_STEPS, cycle_momentum=False)
     fwd = torch.compile(model) if compile_model else model
