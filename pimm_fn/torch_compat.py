@@ -2,8 +2,9 @@
 
 Everything here reaches below torch's documented surface: dynamo's dim markings, its
 compile callbacks, counters and logs, inductor's mode table and CPU probes, shape-
-environment settings, the foreach kernels. When torch moves them, this module is the one
-to change; pyproject pins ``torch==2.13.*`` until a test lane runs another version.
+environment settings, the foreach kernels, the functional collectives
+(``torch.distributed._functional_collectives``). When torch moves them, this module is the
+one to change; pyproject pins ``torch==2.13.*`` until a test lane runs another version.
 """
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ import torch
 import torch.fx.experimental._config as _shape_config
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, guard_or_true
 
-__all__ = ["clear_unbacked", "compilation_reasons", "compiled_graph_count", "cpu_vec_isa_class",
-           "dynamo_compile_hooks", "dynamo_config", "dynamo_counters", "generator_untouched_by_this_thread",
-           "graph_break_count", "graph_break_records", "guard_or_true", "inductor_config", "inductor_mode_options",
-           "is_compiled_module", "is_data_dependent_error", "is_dynamo_unsupported", "is_marked_dynamic",
-           "mark_backed", "mark_dynamic", "mark_unbacked", "profiler_enabled", "reset_dynamo", "step_tracing_config",
+__all__ = ["all_gather", "all_reduce", "clear_unbacked", "compilation_reasons", "compiled_graph_count",
+           "cpu_vec_isa_class", "dynamo_compile_hooks", "dynamo_config", "dynamo_counters",
+           "generator_untouched_by_this_thread", "graph_break_count", "graph_break_records", "guard_or_true",
+           "inductor_config", "inductor_mode_options", "is_compiled_module", "is_data_dependent_error",
+           "is_dynamo_unsupported", "is_marked_dynamic", "mark_backed", "mark_dynamic", "mark_unbacked",
+           "profiler_enabled", "reduce_scatter", "reset_dynamo", "step_tracing_config",
            "tensorify_restart_error", "unbacked_dims", "uncompiled_module"]
 
 TORCH_VERSION_WRITTEN_FOR = "2.13"
@@ -261,6 +263,37 @@ def graph_break_count() -> int:
     if "torch._dynamo" not in sys.modules:
         return 0
     return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def _funcol():
+    from torch.distributed import _functional_collectives
+
+    return _functional_collectives
+
+
+def all_reduce(t: torch.Tensor, op: str, group) -> torch.Tensor:
+    """Traceable all-reduce of ``t`` (``"sum"``, ``"max"``...) over ``group``, waited for in eager code."""
+    return _waited(_funcol().all_reduce(t, op, group))
+
+
+def all_gather(t: torch.Tensor, group) -> torch.Tensor:
+    """Traceable all-gather of every rank's ``t`` along dim 0, waited for in eager code."""
+    return _waited(_funcol().all_gather_single(t, 0, group))
+
+
+def reduce_scatter(t: torch.Tensor, op: str, group) -> torch.Tensor:
+    """Traceable reduce-scatter along dim 0 (this rank's block of the reduction), waited for in eager code."""
+    return _waited(_funcol().reduce_scatter_single(t, op, 0, group))
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    # Eager: wait now. Views of an AsyncCollectiveTensor do not wait, so a result nobody
+    # reads would leave its collective in flight and in funcol's work registry for the rest
+    # of the run (draining in-flight work before the process exits is
+    # pimm_fn.distributed.shutdown()'s). Compiled graphs wait in-graph.
+    if not torch.compiler.is_compiling() and isinstance(t, _funcol().AsyncCollectiveTensor):
+        return t.wait()
+    return t
 
 
 def profiler_enabled() -> bool:

@@ -40,7 +40,6 @@ from .collectives import (
     reduce_across_ranks_op,
     reduce_metrics,
 )
-from .collectives import _bucketed_all_reduce as _bucketed_all_reduce  # private: for steps.parallel and sharding
 from .host import assert_in_sync, dist_meta, global_count, reshard_cursor
 from .runtime import (
     DEFAULT_TIMEOUT_S,

@@ -2,7 +2,7 @@
 
 DDP's autograd hooks do not fire under ``torch.func`` / ``torch.autograd.grad`` over
 ``functional_call``, so gradients are reduced explicitly with
-``torch.distributed._functional_collectives`` (they compile fullgraph on gloo). Also the
+torch's functional collectives (:mod:`pimm_fn.torch_compat`; they compile fullgraph on gloo). Also the
 cross-rank metric reduction (Pointcept's key rules).
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+from .. import torch_compat
 from .runtime import DistContext, world
 
 SAMPLES_KEY = "samples"
@@ -35,31 +36,17 @@ def reduce_across_ranks_op(key: str) -> str:
     return "mean"
 
 
-def _funcol():
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol
-
-
-def _bucketed_all_reduce(tensors: Sequence[torch.Tensor], op: str, group) -> list:
+def bucketed_all_reduce(tensors: Sequence[torch.Tensor], op: str, group) -> list:
     """All-reduce many tensors with one collective per dtype (flatten, reduce, split).
 
     Traceable: only tensor ops and a functional collective; no host sync.
     """
-    funcol = _funcol()
     out: list = [None] * len(tensors)
     by_dtype: dict = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
     for idx in by_dtype.values():
-        flat = torch.cat([tensors[i].reshape(-1) for i in idx])
-        reduced = funcol.all_reduce(flat, op, group)
-        if not torch.compiler.is_compiling() and isinstance(reduced, funcol.AsyncCollectiveTensor):
-            # Eager: wait now. Views of an AsyncCollectiveTensor (the split below) do not
-            # wait, so a metric nobody reads would leave its collective in flight and in
-            # funcol's work registry for the rest of the run. (Draining in-flight work
-            # before the process exits is shutdown()'s.) Compiled graphs wait in-graph.
-            reduced = reduced.wait()
+        reduced = torch_compat.all_reduce(torch.cat([tensors[i].reshape(-1) for i in idx]), op, group)
         offset = 0
         for i in idx:
             n = tensors[i].numel()
@@ -79,7 +66,7 @@ def all_reduce_gradients(grads: dict, ctx: Optional[DistContext] = None) -> dict
         return grads
     keys = list(grads)
     # sum then scale: gloo has no AVG reduction
-    reduced = _bucketed_all_reduce([grads[k] for k in keys], "sum", ctx.group)
+    reduced = bucketed_all_reduce([grads[k] for k in keys], "sum", ctx.group)
     inv = 1.0 / ctx.world_size
     return {k: g * inv for k, g in zip(keys, reduced)}
 
@@ -114,13 +101,13 @@ def reduce_metrics(metrics: Mapping[str, torch.Tensor], ctx: Optional[DistContex
     sum_keys = [k for k in keys if ops[k] in ("mean", "sum")]
     ext_keys = [k for k in keys if ops[k] in ("min", "max")]
     out = dict(metrics)
-    sums = _bucketed_all_reduce([metrics[k].float() for k in sum_keys] + list(extra_sum), "sum", ctx.group) \
+    sums = bucketed_all_reduce([metrics[k].float() for k in sum_keys] + list(extra_sum), "sum", ctx.group) \
         if (sum_keys or extra_sum) else []
     for k, v in zip(sum_keys, sums):
         out[k] = v / ctx.world_size if ops[k] == "mean" else v
     if ext_keys:
         signed = [metrics[k].float() if ops[k] == "max" else -metrics[k].float() for k in ext_keys]
-        maxes = _bucketed_all_reduce(signed, "max", ctx.group)
+        maxes = bucketed_all_reduce(signed, "max", ctx.group)
         for k, v in zip(ext_keys, maxes):
             out[k] = v if ops[k] == "max" else -v
     return out, sums[len(sum_keys):]

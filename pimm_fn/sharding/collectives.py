@@ -12,21 +12,9 @@ import math
 import torch
 
 from .. import distributed as D
+from .. import torch_compat
+from ..distributed.collectives import bucketed_all_reduce
 from .layout import local_rows
-
-
-def _funcol():
-    from torch.distributed import _functional_collectives as funcol
-
-    return funcol
-
-
-def _wait(t):
-    # eager: wait now (a view of an unread AsyncCollectiveTensor would leave it in flight)
-    funcol = _funcol()
-    if not torch.compiler.is_compiling() and isinstance(t, funcol.AsyncCollectiveTensor):
-        return t.wait()
-    return t
 
 
 def _chunk(shape: tuple, world: int) -> tuple[int, int]:
@@ -49,8 +37,7 @@ def gather_rows(local: dict, specs: dict, ctx: D.DistContext) -> dict:
     if not ctx.is_distributed:
         out.update({k: local[k] for k in keys})
         return out
-    funcol, world = _funcol(), ctx.world_size
-    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # renamed in 2.13
+    world = ctx.world_size
     for group in _by_dtype(local, keys):
         pieces = []
         for k in group:
@@ -59,7 +46,7 @@ def gather_rows(local: dict, specs: dict, ctx: D.DistContext) -> dict:
             pad = c * row - flat.numel()
             pieces.append(torch.cat([flat, flat.new_zeros(pad)]) if pad else flat)
         flat = torch.cat(pieces)
-        gathered = _wait(gather(flat, 0, ctx.group)).view(world, flat.numel())
+        gathered = torch_compat.all_gather(flat, ctx.group).view(world, flat.numel())
         offset = 0
         for k in group:
             shape = specs[k][0]
@@ -74,7 +61,7 @@ def reduce_scatter_rows(grads: dict, specs: dict, ctx: D.DistContext) -> dict:
     """This rank's rows of the mean of full ``grads`` over ranks (replicated leaves: the
     full mean). One reduce-scatter per dtype, each rank receiving only its rows; one
     all-reduce for the replicated leaves."""
-    funcol, world, rank = _funcol(), ctx.world_size, ctx.rank
+    world, rank = ctx.world_size, ctx.rank
     out = {}
     keys = [k for k in grads if specs[k][1]]
     for group in _by_dtype(grads, keys):
@@ -85,8 +72,7 @@ def reduce_scatter_rows(grads: dict, specs: dict, ctx: D.DistContext) -> dict:
             pad = world * c * row - flat.numel()
             rows.append((torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).view(world, c * row))
         # column block j of the (world, total) layout is param j, row r is rank r's rows of it
-        scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor  # renamed in 2.13
-        mine = _wait(scatter(torch.cat(rows, dim=1).reshape(-1), "sum", 0, ctx.group))
+        mine = torch_compat.reduce_scatter(torch.cat(rows, dim=1).reshape(-1), "sum", ctx.group)
         mine = mine * (1.0 / world)  # sum then scale: gloo has no AVG reduction
         offset = 0
         for k in group:
@@ -97,6 +83,6 @@ def reduce_scatter_rows(grads: dict, specs: dict, ctx: D.DistContext) -> dict:
             offset += c * row
     rep = [k for k in grads if not specs[k][1]]
     if rep:
-        summed = D._bucketed_all_reduce([grads[k] for k in rep], "sum", ctx.group)
+        summed = bucketed_all_reduce([grads[k] for k in rep], "sum", ctx.group)
         out.update({k: s * (1.0 / world) for k, s in zip(rep, summed)})
     return {k: out[k] for k in grads}

@@ -9,6 +9,7 @@ import torch
 from .. import distributed as D
 from ..amp import LossScaleConfig, as_autocast, renamed_loss_scale
 from ..compile import Step
+from ..distributed.collectives import bucketed_all_reduce
 from ..optim.base import frozen_names
 from ..steps.common import (
     applied_buffers,
@@ -34,7 +35,7 @@ def _norm_and_finite(local: dict, specs: dict, loss, ctx: D.DistContext):
     sq_sh = sum((g.float().pow(2).sum() for k, g in local.items() if specs[k][1]), zero)
     sq_rep = sum((g.float().pow(2).sum() for k, g in local.items() if not specs[k][1]), zero)
     bad = (~(all_finite(local) & torch.isfinite(loss))).float()
-    totals = D._bucketed_all_reduce([torch.stack([sq_sh, bad])], "sum", ctx.group)[0]
+    totals = bucketed_all_reduce([torch.stack([sq_sh, bad])], "sum", ctx.group)[0]
     return (totals[0] + sq_rep).sqrt(), totals[1] == 0
 
 

@@ -13,14 +13,8 @@ import torch
 
 from ..compile import Step, as_step
 from ..data.count import count_batch
-from ..distributed import (
-    SAMPLES_KEY,
-    DistContext,
-    _bucketed_all_reduce,
-    grad_transform,
-    reduce_metrics,
-    world,
-)
+from ..distributed import SAMPLES_KEY, DistContext, grad_transform, reduce_metrics, world
+from ..distributed.collectives import bucketed_all_reduce
 from .supervised import supervised
 
 
@@ -65,7 +59,7 @@ def wrap_step(step, ctx: Optional[DistContext] = None, *, sync_buffers: bool = F
         if reduce:
             metrics, summed = reduce_metrics(metrics, ctx, extra)
         else:
-            metrics, summed = dict(metrics), _bucketed_all_reduce(extra, "sum", ctx.group)
+            metrics, summed = dict(metrics), bucketed_all_reduce(extra, "sum", ctx.group)
         metrics[SAMPLES_KEY] = summed[0]
         if buf_keys:
             buffers = dict(new_state.buffers)
