@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .atomic import atomic_write
 from .experiment import ExperimentError, Run, RunContext, available_experiments, experiment_settings, load_experiment
 from .settings import SettingsError
 
@@ -110,6 +111,12 @@ def _clear_run(save: Path) -> int:
     return removed
 
 
+def _write_json(path: Path, obj) -> None:
+    """``obj`` as indented JSON at ``path``, whole or not at all (a run killed mid-write keeps the old file)."""
+    text = json.dumps(obj, indent=2).encode()
+    atomic_write(path, lambda f: f.write(text))
+
+
 def _settings_diff(save: Path, settings: dict) -> str:
     """``width=32 (now 16), ...``: where ``settings`` differ from the run folder's settings.json."""
     try:
@@ -187,7 +194,7 @@ def _write_report(run: Run, result, save: Path, record, settings: dict, seconds:
     if train:
         summary["final_train"] = {k: v for k, v in train[-1].items() if k not in ("kind",)}
     summary["settings"] = settings
-    (save / "summary.json").write_text(json.dumps(summary, indent=2))
+    _write_json(save / "summary.json", summary)
     plot_curves(records, save / "curves.png")
     if run.render is not None:
         run.render(result.state, save / "prediction.png")
@@ -238,7 +245,7 @@ def train(args) -> int:
         if args.overwrite and marks:
             print(f"pimm-fn: --overwrite: cleared {_clear_run(save)} files of the earlier run in {save}", flush=True)
         save.mkdir(parents=True, exist_ok=True)
-        (save / "settings.json").write_text(json.dumps({"experiment": args.experiment, **settings}, indent=2))
+        _write_json(save / "settings.json", {"experiment": args.experiment, **settings})
     start = time.perf_counter()
     with distributed.guard():
         result = fit(state, run.loader, run.step, epochs=run.epochs, callbacks=callbacks,
