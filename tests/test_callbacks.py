@@ -299,9 +299,22 @@ def test_early_stopping(data):
     assert stop.best == 0.5
 
 
+def test_evaluate_counts_samples_as_fit_does():
+    # One rule for samples (pimm_fn.data.count_batch): clouds of a point batch, the leading
+    # dim of an image batch; a batch it has no rule for adds none.
+    def count(loader):
+        return Evaluate(lambda s, b: {"m": torch.tensor(1.0)}, loader).evaluate(make_state())[1]
+
+    assert count([{"image": torch.zeros(3, 1, 2, 2)}, {"image": torch.zeros(2, 1, 2, 2)}]) == 5
+    assert count([{"coord": torch.zeros(7, 3), "offset": torch.tensor([3, 7])}]) == 2
+    assert count(["not a batch"]) == 0
+
+
 def test_trace_jsonl_and_batch_stats(data, tmp_path):
     batch = {"coord": torch.zeros(10, 3), "offset": torch.tensor([4, 10])}
     assert batch_stats(batch) == {"clouds": 2, "points": 10}
+    assert batch_stats({"offset": torch.tensor([4])}) == {"clouds": 1}
+    assert batch_stats({"image": torch.zeros(2, 3)}) == {}
 
     class PointLoader(PermLoader):
         def iter_epoch(self, epoch, start=0):

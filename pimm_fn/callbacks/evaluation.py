@@ -38,7 +38,8 @@ class Evaluate(Callback):
         self._last_step: Optional[int] = None
 
     def evaluate(self, state) -> tuple[dict, int]:
-        """The metrics of ``state`` over the whole loader (floats) and the number of samples."""
+        """The metrics of ``state`` over the whole loader (floats) and the number of samples
+        (:func:`pimm_fn.data.count_batch`'s; a batch it cannot count adds none)."""
         stats = self.metric.init() if self.metric is not None else None
         sums: dict = {}
         n_batches = n_samples = 0
@@ -53,8 +54,7 @@ class Evaluate(Callback):
                     if isinstance(v, torch.Tensor) and v.numel() == 1 and k not in ("pred", "target"):
                         sums[k] = sums.get(k, 0) + v.detach().float().reshape(())
                 n_batches += 1
-                if isinstance(batch, dict) and "offset" in batch:
-                    n_samples += len(batch["offset"])
+                n_samples += _samples_in(batch)
         if n_batches == 0:
             raise ValueError(f"Evaluate({self.name!r}): the validation loader yielded no batches; is it empty?")
         metrics = {k: float(v) / n_batches for k, v in sums.items()}
@@ -110,3 +110,12 @@ class _WholeStateEvaluate(Evaluate):
         if not isinstance(out, dict):
             raise TypeError(f"the evaluation function must return a dict of numbers, got {type(out).__name__}")
         return {k: float(v) for k, v in out.items()}, 0
+
+
+def _samples_in(batch) -> int:
+    from ..data.count import count_batch  # on first use: pimm_fn.data loads the data stack
+
+    try:
+        return count_batch(batch).samples
+    except TypeError:  # a batch of something count_batch has no rule for
+        return 0

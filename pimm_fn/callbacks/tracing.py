@@ -3,14 +3,15 @@
 ``fit`` itself wraps the data fetch, the step and each callback in
 ``torch.profiler.record_function`` spans (while a profiler records), and Checkpoint wraps
 its writes; this callback adds Pointcept's instants (training start / end / already complete
-/ loader exhausted) and batch statistics (clouds = ``len(offset)``, points =
-``coord.shape[0]``; shapes only, no device sync) every n steps.
+/ loader exhausted) and batch statistics (clouds and points, by
+:func:`pimm_fn.data.count_batch`; shapes only, no device sync) every n steps.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -20,19 +21,14 @@ from .base import Callback, due
 
 
 def batch_stats(batch) -> dict:
-    """``{"clouds": len(offset), "points": coord rows}`` for a point batch (keys it lacks are left out)."""
-    out = {}
-    if isinstance(batch, dict):
-        offset = batch.get("offset")
-        if offset is not None:
-            try:
-                out["clouds"] = int(len(offset))
-            except TypeError:
-                pass
-        coord = batch.get("coord")
-        if hasattr(coord, "shape") and len(coord.shape) > 0:
-            out["points"] = int(coord.shape[0])
-    return out
+    """``{"clouds", "points"}`` of a point batch (an ``offset`` tensor), counted by
+    :func:`pimm_fn.data.count_batch` ("points" only where it has ``coord``); {} for others."""
+    if not (isinstance(batch, Mapping) and isinstance(batch.get("offset"), torch.Tensor)):
+        return {}
+    from ..data.count import count_batch  # on first use: pimm_fn.data loads the data stack
+
+    n = count_batch(batch)
+    return {"clouds": n.samples} if n.points is None else {"clouds": n.samples, "points": n.points}
 
 
 class Trace(Callback):
