@@ -22,7 +22,7 @@ Shapes used throughout:
 from .advantages import grpo_advantages, rloo_advantages, rollout_metrics, step_advantages, validate_rewards
 from .losses import clipped_surrogate, grpo_loss, kl_k1, kl_k3
 from .microbatch import Microbatch, combine_microbatches, combine_updates, microbatch_slices, reduce_across_ranks_op
-from .reductions import COUNT_KEY, _check_reduction, masked_mean  # noqa: F401 (_check_reduction: steps.grpo)
+from .reductions import COUNT_KEY, masked_mean
 
 __all__ = [
     "validate_rewards",

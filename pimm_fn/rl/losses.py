@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .reductions import COUNT_KEY, _as_steps, _check_reduction, _count, _masked_extreme, masked_mean
+from .reductions import COUNT_KEY, _as_steps, _count, _masked_extreme, check_reduction, masked_mean
 
 # The log-ratio fed to exp() is clamped so that one wildly off-policy token gives a large
 # but finite ratio / KL instead of inf (inf * 0 advantage = NaN poisons the whole batch).
@@ -76,7 +76,7 @@ def clipped_surrogate(
         as ``"sequence"``).
     """
     _check_logp(logp_new, logp_old, advantages, mask)
-    _check_reduction(reduction, max_length)
+    check_reduction(reduction, max_length)
     # Means that describe the batch (clip fractions, log-ratios) are not length-normalised
     # sums: under "constant" they average like "sequence" (same units, trajectories).
     stat_reduction = "sequence" if reduction == "constant" else reduction

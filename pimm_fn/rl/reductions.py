@@ -17,7 +17,8 @@ def _as_steps(x: torch.Tensor) -> torch.Tensor:
 REDUCTIONS = ("sequence", "token", "constant")
 
 
-def _check_reduction(reduction: str, max_length) -> None:
+def check_reduction(reduction: str, max_length) -> None:
+    """Raise ValueError naming the fix for an unknown ``reduction`` or a ``max_length`` it would ignore."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if max_length is not None:
@@ -53,7 +54,7 @@ def masked_mean(
         max_length: the constant of ``"constant"`` (e.g. the maximum generation length);
             None uses the padded length ``T`` of ``x``. Only valid with ``"constant"``.
     """
-    _check_reduction(reduction, max_length)
+    check_reduction(reduction, max_length)
     x = _as_steps(x)
     m = torch.ones_like(x) if mask is None else _as_steps(mask).to(x.dtype)
     if reduction == "sequence":

@@ -45,6 +45,7 @@ from ..amp import LossScaleConfig, as_autocast, renamed_loss_scale
 from ..compile import Step
 from ..data.device import to_device
 from ..optim.base import frozen_names
+from ..rl.reductions import check_reduction
 from ..state import TrainState
 from ..tree import tree_map
 from .common import applied_buffers, check_clip_grad, guarded_update, value_and_grad
@@ -360,7 +361,7 @@ def grpo(
         raise ValueError(f"microbatch_size must be >= 0 (0 = no splitting), got {microbatch_size}")
     if not callable(advantage) and advantage not in _ADVANTAGES:
         raise ValueError(f"advantage must be one of {_ADVANTAGES} or a callable, got {advantage!r}")
-    rl._check_reduction(reduction, max_length)
+    check_reduction(reduction, max_length)
     clip_grad = check_clip_grad(clip_grad)
     if not callable(sample):
         raise TypeError("sample must be a function sample(policy, batch, group_size) -> Rollout")
