@@ -79,11 +79,6 @@ def parse_overrides(defaults: Mapping[str, Any], pairs: Iterable[str]) -> dict:
     return out
 
 
-def apply_overrides(defaults: Mapping[str, Any], pairs: Iterable[str]) -> dict:
-    """``defaults`` updated by ``key=value`` strings (see :func:`parse_overrides`)."""
-    return {**defaults, **parse_overrides(defaults, pairs)}
-
-
 def check_minimum(settings: Mapping[str, Any], minimum: Mapping[str, Any]) -> None:
     """Raise :class:`SettingsError` naming the first setting below its ``minimum`` value."""
     for key, low in minimum.items():

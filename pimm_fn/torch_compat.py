@@ -342,7 +342,7 @@ def graph_break_records(handler: logging.Handler):
 # number; ``other`` may also be a list, pairwise.
 # ---------------------------------------------------------------------------------------
 __all__ += ["foreach_add", "foreach_add_", "foreach_addcdiv", "foreach_addcdiv_", "foreach_addcmul_", "foreach_div_",
-            "foreach_lerp", "foreach_maximum", "foreach_mul", "foreach_mul_", "foreach_norm", "foreach_sqrt",
+            "foreach_lerp", "foreach_maximum", "foreach_mul", "foreach_norm", "foreach_sqrt",
             "foreach_sub_", "is_plain_eager_tensor"]
 
 
@@ -444,18 +444,6 @@ def foreach_sub_(xs: list, ys: list) -> list:
             x.sub_(y)
     else:
         torch._foreach_sub_(xs, ys)
-    return xs
-
-
-def foreach_mul_(xs: list, other) -> list:
-    """In place on ``xs`` (tensors the caller made): ``x *= other``; returns ``xs``."""
-    if not xs:
-        return xs
-    if _tracing():
-        for x, o in zip(xs, _each(xs, other)):
-            x.mul_(o)
-    else:
-        torch._foreach_mul_(xs, other)
     return xs
 
 

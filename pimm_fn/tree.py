@@ -72,11 +72,6 @@ def tree_flatten_with_path(tree: Any):
     return optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
 
 
-def tree_zeros_like(tree: Any) -> Any:
-    """A tree of zero tensors shaped like ``tree``."""
-    return tree_map(torch.zeros_like, tree)
-
-
 def tree_where(cond: torch.Tensor, on_true: Any, on_false: Any) -> Any:
     """Select whole trees with a 0-dim bool tensor.
 
@@ -176,8 +171,3 @@ def tree_scale(tree: Any, factor: torch.Tensor | float) -> Any:
     groups = _group_by(leaves, lambda t: t.device)
     results = [foreach_mul([leaves[i] for i in idx], factor.to(leaves[idx[0]].device)) for idx in groups]
     return tree_unflatten(treedef, results[0] if len(groups) == 1 else _scatter(groups, results, len(leaves)))
-
-
-def tree_add(a: Any, b: Any) -> Any:
-    """Leafwise ``a + b``."""
-    return tree_map(lambda x, y: x + y, a, b)

@@ -29,6 +29,13 @@ def test_transforms_are_pure_and_seeded():
     assert a["feat"].shape == (a["coord"].shape[0], 6)
 
 
+def test_normalize_color_maps_0_255_to_minus_1_1():
+    out = T.normalize_color()({"color": torch.tensor([[0.0, 127.5, 255.0]])}, gen())
+    assert torch.equal(out["color"], torch.tensor([[-1.0, 0.0, 1.0]]))
+    no_color = {"coord": torch.zeros(2, 3)}
+    assert T.normalize_color()(no_color, gen()) is no_color
+
+
 def test_rotate_preserves_norms_and_z():
     s = scene()
     r = T.random_rotate(angle=(math.pi / 2, math.pi / 2))(s, gen())

@@ -59,11 +59,6 @@ def epoch_order(
     return indices[rank:total:world_size]
 
 
-def start_sample(position: int, batch_size: int) -> int:
-    """The first per-rank sample of batch ``position`` (Cursor.position counts batches)."""
-    return int(position) * int(batch_size)
-
-
 class ResumableSampler(torch.utils.data.Sampler):
     """A distributed shuffling sampler positioned by (epoch, start) rather than by history.
 
