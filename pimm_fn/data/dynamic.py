@@ -1,23 +1,14 @@
 """Variable point counts under ``torch.compile``: mark the point dim dynamic, or pad to buckets.
 
-Finding (``python benchmarks/dynamic_shapes.py``, torch 2.13 CPU: a compiled
-per-point MLP + loss over 12 point batches of 4 synthetic clouds, 12 distinct totals
-2,115-3,397 points, buckets 2048/2560/3072/4096). Compile counts:
-
-    automatic dynamic shapes (default)      2  (static first, symbolic from the 2nd size)
-    mark_point_dims_dynamic before call 1   1
-    pad to buckets, default compile         2  (automatic dynamic makes the padded dim
-                                               symbolic at the 2nd bucket: no gain)
-    pad to buckets, compile(dynamic=False)  3  (one per bucket hit)
-
-Step times could not be measured reliably here (load average ~11 on 2 cores from other
-jobs); DESIGN.md's quieter measurement (24k-40k points) found the dynamic and bucketed
-steps within a few percent of each other. Hence: the default relies on automatic dynamic
-shapes (one recompile); ``mark_point_dims_dynamic`` removes that recompile; buckets only
-make sense with ``dynamic=False`` for a backend that needs static shapes (CUDA graphs,
-shape-specialised kernels), and they cost one compile per bucket plus padded compute.
-Note: on torch 2.13 ``mark_dynamic(t, 0, min=2)`` without ``max`` crashes inside dynamo,
-so bounds are passed only in pairs.
+Without help dynamo compiles a point step twice: static for the first point count, then
+symbolic from the second (automatic dynamic shapes). ``mark_point_dims_dynamic`` makes the
+point dims symbolic before the first call, so it compiles once. Padding to buckets saves
+nothing under automatic dynamic shapes (the padded dim turns symbolic at the second
+bucket); it suits only ``dynamic=False`` for a backend that needs static shapes (CUDA
+graphs, shape-specialised kernels), at one compile per bucket plus the padded compute.
+The compile counts are in benchmarks/README.md ("Variable point counts").
+On torch 2.13 ``mark_dynamic(t, 0, min=2)`` without ``max`` crashes inside dynamo, so
+bounds are passed only in pairs.
 """
 from __future__ import annotations
 
