@@ -1,9 +1,9 @@
 """Collectives inside the pure step: traceable, functional, bucketed into one per dtype.
 
 DDP's autograd hooks do not fire under ``torch.func`` / ``torch.autograd.grad`` over
-``functional_call``, so gradients are reduced explicitly with
-torch's functional collectives (:mod:`pimm_fn.torch_compat`; they compile fullgraph on gloo). Also the
-cross-rank metric reduction (Pointcept's key rules).
+``functional_call``, so gradients are reduced explicitly with torch's functional
+collectives (through :mod:`pimm_fn.torch_compat`; they compile fullgraph on gloo). Also
+the cross-rank metric reduction (Pointcept's key rules).
 """
 from __future__ import annotations
 
