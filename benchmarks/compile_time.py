@@ -18,13 +18,15 @@ variable-size point batches (pimm_fn/bench/workloads.py); its figure is the firs
 ptv3: the PTv3-class backbone of the ptv3 workload on two real LiDAR batches (their
 topology from the collate); its figure is the first two calls. ptv3_default: ``PTv3(4, 3)``
 with the constructor's defaults (5 levels, 22 blocks, 32-512 channels, drop path 0.3) on two
-such batches with its 5-level topology. After the first calls each child also times
+such batches with its 5-level topology; ptv3_block: one attention block (32 channels) between
+one grid pooling and one unpooling, the smallest PTv3-shaped model. After the first calls each child also times
 ``--steps`` more steps (median ``step_s``).
 
     python benchmarks/compile_time.py                 # mlp, pointseg -> results/compile_time.{json,txt}
     python benchmarks/compile_time.py --models mlp
     python benchmarks/compile_time.py --models ptv3 --runs cold,warm --json benchmarks/results/compile_time_ptv3.json
     python benchmarks/compile_time.py --models ptv3_default --runs cold --threads 1 --steps 5
+    python benchmarks/compile_time.py --models ptv3_block --threads 1 --json benchmarks/results/compile_time_ptv3_block.json
 
 Read the load average printed with the table: compile times on a busy machine are noise.
 """
@@ -44,8 +46,18 @@ RESULTS = os.path.join(HERE, "results")
 RUNS = ("first_ever", "cold", "warm", "cold+save", "warm+load")
 
 
-def _ptv3_default_workload():
-    # The workload's LiDAR batches, with the topology of PTv3's default (5-level) spec.
+# PTv3 configurations built here (the ptv3 model is the workload's): ptv3_default as the
+# constructor makes it; ptv3_block the smallest PTv3-shaped model, one attention block
+# between one grid pooling and one unpooling (issue 36's "one-block" model).
+PTV3_CONFIGS = {
+    "ptv3_default": {},
+    "ptv3_block": dict(enc_depths=(1, 0), enc_channels=(32, 64), enc_heads=(2, 4), dec_depths=(0,),
+                       dec_channels=(32,), dec_heads=(2,), drop_path=0.0),
+}
+
+
+def _ptv3_config_workload(model_name: str):
+    # The workload's LiDAR batches, with the topology of this configuration's spec.
     import torch
 
     from pimm_fn import TrainState
@@ -55,7 +67,7 @@ def _ptv3_default_workload():
     from pimm_fn.models.ptv3 import PTv3, PTv3Collate
 
     torch.manual_seed(0)
-    model = PTv3(4, 3)
+    model = PTv3(4, 3, **PTV3_CONFIGS[model_name])
     transform = T.compose(T.random_rotate(axis="z"), T.random_flip(0.5), T.grid_sample(0.25, mode="train"),
                           T.center_shift(apply_z=False), T.assemble_feat(("coord", "intensity")))
     loader = build_train_loader(LidarBlocks("train"), batch_size=4, seed=0, transform=transform,
@@ -74,9 +86,9 @@ def _child(model: str, cache, threads: int = 0, steps_after: int = 0) -> dict:
     if threads:
         torch.set_num_threads(threads)
     imported = time.perf_counter() - t0
-    if model == "ptv3_default":
+    if model in PTV3_CONFIGS:
         sys.path.insert(0, ROOT)
-        state, batches = _ptv3_default_workload()
+        state, batches = _ptv3_config_workload(model)
     elif model == "mlp":
         sys.path.insert(0, HERE)
         from overhead import mlp_workload
