@@ -19,14 +19,15 @@ ptv3: the PTv3-class backbone of the ptv3 workload on two real LiDAR batches (th
 topology from the collate); its figure is the first two calls. ptv3_default: ``PTv3(4, 3)``
 with the constructor's defaults (5 levels, 22 blocks, 32-512 channels, drop path 0.3) on two
 such batches with its 5-level topology; ptv3_block: one attention block (32 channels) between
-one grid pooling and one unpooling, the smallest PTv3-shaped model. After the first calls each child also times
-``--steps`` more steps (median ``step_s``).
+one grid pooling and one unpooling, the smallest PTv3-shaped model. After the first calls
+each child also times ``--steps`` more steps (median ``step_s``).
 
     python benchmarks/compile_time.py                 # mlp, pointseg -> results/compile_time.{json,txt}
     python benchmarks/compile_time.py --models mlp
     python benchmarks/compile_time.py --models ptv3 --runs cold,warm --json benchmarks/results/compile_time_ptv3.json
     python benchmarks/compile_time.py --models ptv3_default --runs cold --threads 1 --steps 5
-    python benchmarks/compile_time.py --models ptv3_block --threads 1 --json benchmarks/results/compile_time_ptv3_block.json
+    python benchmarks/compile_time.py --models ptv3_block --threads 1 --steps 5 \
+        --json benchmarks/results/compile_time_ptv3_block.json
 
 Read the load average printed with the table: compile times on a busy machine are noise.
 """
