@@ -23,7 +23,7 @@ __all__ = ["all_gather", "all_reduce", "clear_unbacked", "compilation_reasons", 
            "inductor_config", "inductor_mode_options", "is_compiled_module", "is_data_dependent_error",
            "is_dynamo_unsupported", "is_marked_dynamic", "mark_backed", "mark_dynamic", "mark_unbacked",
            "profiler_enabled", "reduce_scatter", "reset_dynamo", "step_tracing_config",
-           "tensorify_restart_error", "unbacked_dims", "uncompiled_module"]
+           "tensorify_restart_error", "trace_inductor_dummy_module", "unbacked_dims", "uncompiled_module"]
 
 TORCH_VERSION_WRITTEN_FOR = "2.13"
 

@@ -6,6 +6,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import events as ev
+from ..data.count import count_batch
 from .base import Callback, due
 
 
@@ -113,8 +114,6 @@ class _WholeStateEvaluate(Evaluate):
 
 
 def _samples_in(batch) -> int:
-    from ..data.count import count_batch  # on first use: pimm_fn.data loads the data stack
-
     try:
         return count_batch(batch).samples
     except TypeError:  # a batch of something count_batch has no rule for

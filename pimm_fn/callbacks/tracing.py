@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from .. import torch_compat
+from ..data.count import count_batch
 from .base import Callback, due
 
 
@@ -25,8 +26,6 @@ def batch_stats(batch) -> dict:
     :func:`pimm_fn.data.count_batch` ("points" only where it has ``coord``); {} for others."""
     if not (isinstance(batch, Mapping) and isinstance(batch.get("offset"), torch.Tensor)):
         return {}
-    from ..data.count import count_batch  # on first use: pimm_fn.data loads the data stack
-
     n = count_batch(batch)
     return {"clouds": n.samples} if n.points is None else {"clouds": n.samples, "points": n.points}
 
