@@ -7,7 +7,11 @@ scheduler's ``get_last_lr()`` holds after ``count`` calls to ``scheduler.step()`
 Values are computed in float64, like torch's schedulers (which compute in Python
 floats), and only the result is rounded to float32, so they match torch within float32
 rounding. Every factory checks its horizon once, on the host; the returned function is
-plain tensor code that traces under ``torch.compile(fullgraph=True)``.
+plain tensor code that traces under ``torch.compile(fullgraph=True)``. Its numbers (the
+learning rates, the horizon, the phase boundaries) are a :class:`~pimm_fn.hyper.Hyper`,
+listed in the function's ``hypers``: a compiled step takes them as inputs, so a schedule
+with other numbers but the same shape (the strategy, the number of phases or milestones)
+reuses the compiled step.
 
 Past its horizon a schedule holds its final value (torch raises or wraps around
 instead), so extending a run by raising the number of epochs is defined behaviour.
@@ -18,6 +22,8 @@ import math
 from typing import Callable, Sequence, Union
 
 import torch
+
+from .hyper import Hyper, hypers_of
 
 Schedule = Callable[[torch.Tensor], torch.Tensor]
 
@@ -57,23 +63,28 @@ def _check_total_steps(total_steps, where: str, lr=None) -> int:
     return total_steps
 
 
-def _steps(count: torch.Tensor, last: int) -> torch.Tensor:
+def _steps(count: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """The step as float64, held at ``last`` past the horizon (and at 0 below it)."""
-    return count.clamp(0, last).to(torch.float64)
+    return torch.minimum(count.to(torch.float64).clamp(min=0), last)
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32)
 
 
+def _schedule(fn: Schedule, *hypers: Hyper) -> Schedule:
+    fn.hypers = hypers
+    return fn
+
+
 def constant(value: float) -> Schedule:
     """A schedule that always returns ``value``."""
-    value = float(value)
+    h = Hyper(value=value)
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
-        return torch.full((), value, dtype=torch.float32, device=count.device)
+        return _f32(h.on(count.device)["value"])
 
-    return schedule
+    return _schedule(schedule, h)
 
 
 # ---------------------------------------------------------------------------- OneCycle
@@ -116,21 +127,29 @@ def _anneal(strategy: str):
     raise ValueError(f"anneal_strategy must be 'cos' or 'linear', got {strategy!r}")
 
 
+_PHASE = ("start", "end", "a", "b")
+
+
 def _piecewise(total_steps: int, phases, anneal) -> Schedule:
+    h = Hyper(last=total_steps - 1, **{f"{k}{i}": v for i, phase in enumerate(phases) for k, v in zip(_PHASE, phase)})
+    n_phases = len(phases)
+
     def schedule(count: torch.Tensor) -> torch.Tensor:
+        n = h.on(count.device)
         # Hold the last step's value past the end: torch's value at total_steps is an
         # overshoot of the final phase (negative for 'linear' with a short horizon).
-        s = _steps(count, total_steps - 1)
+        s = _steps(count, n["last"])
         # The first phase whose end_step is >= s, else the last one (torch's rule); each
         # phase is evaluated and the right one selected, so there is no host branch. A
         # zero-length phase divides by zero here, but only in a branch never selected.
         out = None
-        for start, end, a, b in reversed(phases):
+        for i in reversed(range(n_phases)):
+            start, end, a, b = (n[f"{k}{i}"] for k in _PHASE)
             value = anneal(a, b, (s - start) / (end - start))
             out = value if out is None else torch.where(s <= end, value, out)
         return _f32(out)
 
-    return schedule
+    return _schedule(schedule, h)
 
 
 def one_cycle(
@@ -199,13 +218,15 @@ def cosine(total_steps: int, base_lr: float, eta_min: float = 0.0) -> Schedule:
     base_lr: the value at step 0; eta_min: the value at total_steps and after.
     """
     total_steps = _check_total_steps(total_steps, "cosine")
-    base_lr, eta_min = float(base_lr), float(eta_min)
+    h = Hyper(total=total_steps, base_lr=base_lr, eta_min=eta_min)
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
-        s = _steps(count, total_steps)
-        return _f32(eta_min + (base_lr - eta_min) * (1 + torch.cos(s * math.pi / total_steps)) / 2)
+        n = h.on(count.device)
+        s = _steps(count, n["total"])
+        eta_min = n["eta_min"]
+        return _f32(eta_min + (n["base_lr"] - eta_min) * (1 + torch.cos(s * math.pi / n["total"])) / 2)
 
-    return schedule
+    return _schedule(schedule, h)
 
 
 def _milestone_steps(milestones: Sequence[float], total_steps: int, where: str) -> list:
@@ -219,13 +240,20 @@ def _milestone_steps(milestones: Sequence[float], total_steps: int, where: str) 
     return sorted(steps)
 
 
-def _step_decay(s: torch.Tensor, steps: list, gamma: float, start: float) -> torch.Tensor:
-    """``start * gamma ** k`` for k milestones reached; multiplied on the host, as torch does."""
-    out = torch.full_like(s, start)
-    value = start
-    for m in steps:
+def _step_decay_numbers(steps: list, gamma: float, start: float) -> dict:
+    """The milestones and ``start * gamma ** k`` for each k, multiplied on the host as torch does."""
+    numbers, value = {"decay0": start}, start
+    for k, m in enumerate(steps):
         value *= gamma
-        out = torch.where(s >= m, torch.full_like(s, value), out)
+        numbers[f"milestone{k}"], numbers[f"decay{k + 1}"] = m, value
+    return numbers
+
+
+def _step_decay(s: torch.Tensor, n: dict, n_milestones: int) -> torch.Tensor:
+    """The decayed value for k milestones reached (numbers from :func:`_step_decay_numbers`)."""
+    out = n["decay0"]
+    for k in range(n_milestones):
+        out = torch.where(s >= n[f"milestone{k}"], n[f"decay{k + 1}"], out)
     return out
 
 
@@ -238,13 +266,13 @@ def multistep(
     """
     total_steps = _check_total_steps(total_steps, "multistep", base_lr)
     steps = _milestone_steps(milestones, total_steps, "multistep")
-    base_lr, gamma = float(base_lr), float(gamma)
+    h = Hyper(total=total_steps, **_step_decay_numbers(steps, float(gamma), float(base_lr)))
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
-        s = _steps(count, total_steps)
-        return _f32(_step_decay(s, steps, gamma, base_lr))
+        n = h.on(count.device)
+        return _f32(_step_decay(_steps(count, n["total"]), n, len(steps)))
 
-    return schedule
+    return _schedule(schedule, h)
 
 
 def multistep_with_warmup(
@@ -264,43 +292,48 @@ def multistep_with_warmup(
     """
     total_steps = _check_total_steps(total_steps, "multistep_with_warmup", base_lr)
     steps = _milestone_steps(milestones, total_steps, "multistep_with_warmup")
-    base_lr, gamma = float(base_lr), float(gamma)
     warmup_end = float(warmup_rate) * total_steps
-    warmup_scale = float(warmup_scale)
+    warms = warmup_end > 0
+    h = Hyper(total=total_steps, base_lr=base_lr, warmup_end=warmup_end, warmup_scale=warmup_scale,
+              **_step_decay_numbers(steps, float(gamma), 1.0))
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
-        s = _steps(count, total_steps)
-        decay = _step_decay(s, steps, gamma, 1.0)
-        if warmup_end > 0:
-            ramp = 1 - (1 - s / warmup_end) * (1 - warmup_scale)
-            decay = decay * torch.where(s <= warmup_end, ramp, torch.ones_like(ramp))
-        return _f32(base_lr * decay)
+        n = h.on(count.device)
+        s = _steps(count, n["total"])
+        decay = _step_decay(s, n, len(steps))
+        if warms:
+            ramp = 1 - (1 - s / n["warmup_end"]) * (1 - n["warmup_scale"])
+            decay = decay * torch.where(s <= n["warmup_end"], ramp, torch.ones_like(ramp))
+        return _f32(n["base_lr"] * decay)
 
-    return schedule
+    return _schedule(schedule, h)
 
 
 def poly(total_steps: int, base_lr: float, power: float = 0.9) -> Schedule:
     """The seed's PolyLR: ``base_lr * (1 - s / (total_steps + 1)) ** power``."""
     total_steps = _check_total_steps(total_steps, "poly", base_lr)
-    base_lr, power = float(base_lr), float(power)
+    power = float(power)  # the curve's shape: a Python number, which torch.pow special-cases
+    h = Hyper(total=total_steps, total_plus_one=total_steps + 1, base_lr=base_lr)
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
-        s = _steps(count, total_steps)
-        return _f32(base_lr * (1 - s / (total_steps + 1)) ** power)
+        n = h.on(count.device)
+        s = _steps(count, n["total"])
+        return _f32(n["base_lr"] * (1 - s / n["total_plus_one"]) ** power)
 
-    return schedule
+    return _schedule(schedule, h)
 
 
 def exp(total_steps: int, base_lr: float, gamma: float) -> Schedule:
     """The seed's ExpLR: ``base_lr * gamma ** (s / total_steps)``."""
     total_steps = _check_total_steps(total_steps, "exp", base_lr)
-    base_lr, gamma = float(base_lr), float(gamma)
+    h = Hyper(total=total_steps, base_lr=base_lr, gamma=gamma)
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
-        s = _steps(count, total_steps)
-        return _f32(base_lr * gamma ** (s / total_steps))
+        n = h.on(count.device)
+        s = _steps(count, n["total"])
+        return _f32(n["base_lr"] * n["gamma"] ** (s / n["total"]))
 
-    return schedule
+    return _schedule(schedule, h)
 
 
 def linear_warmup(
@@ -318,11 +351,12 @@ def linear_warmup(
     inner = schedule if callable(schedule) else constant(schedule)
     if warmup_steps == 0:
         return inner
-    start_factor = float(start_factor)
+    h = Hyper(warmup=warmup_steps, start_factor=start_factor)
 
     def warmed(count: torch.Tensor) -> torch.Tensor:
-        s = _steps(count, warmup_steps)
-        factor = start_factor + (1.0 - start_factor) * s / warmup_steps
+        n = h.on(count.device)
+        s = _steps(count, n["warmup"])
+        factor = n["start_factor"] + (1.0 - n["start_factor"]) * s / n["warmup"]
         return _f32(inner(count).to(torch.float64) * factor)
 
-    return warmed
+    return _schedule(warmed, h, *hypers_of(inner))

@@ -251,6 +251,28 @@ def test_reduce_overhead_static_shape_matches_the_default_compile_and_keeps_old_
         assert all(torch.equal(st.params[k], snap[k]) for k in snap)
 
 
+def test_new_hyperparameters_reuse_the_graphed_step_with_their_numbers_on_the_device():
+    # The schedules' and the optimizer's numbers are made on the params' device (no CPU input
+    # that would keep the step off CUDA graphs), and another peak lr or length compiles nothing.
+    from torch._dynamo.utils import counters
+
+    from pimm_fn import schedules
+
+    counters.clear()
+    step = compile_step(supervised(clip_grad=1.0), mode="reduce-overhead")
+    for max_lr, total in ((1e-2, 50), (3e-3, 20)):
+        tx = optim.adamw(schedules.one_cycle(total, max_lr), b1=schedules.one_cycle_momentum(total), weight_decay=0.05)
+        state = eager = TrainState.create(Net(), tx, device=DEV)
+        for b in batches(3, seed=2):
+            state, m = step(state, b)
+            eager, m_eager = supervised(clip_grad=1.0)(eager, b)
+            torch.testing.assert_close(m["lr"], m_eager["lr"])
+        for k in state.params:
+            torch.testing.assert_close(state.params[k], eager.params[k], rtol=1e-5, atol=1e-6)
+    assert step.compile_count == 1, step.recompile_reasons
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
 def test_reduce_overhead_variable_point_counts_compile_once_without_rerecording():
     from torch._dynamo.utils import counters
 

@@ -72,7 +72,10 @@ def test_the_state_holds_one_copy_of_the_weights():
     gc.collect()
     resident = _real_tensors(state)
     leaves = [t for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
-    assert sum(resident.values()) == _nbytes(leaves)  # nothing but the state's own leaves
+    # nothing but the state's own leaves, and the optimizer's numbers (pimm_fn.hyper: lr, momentum)
+    hyper = _real_tensors(state.tx)
+    assert sum(hyper.values()) <= 64 and set(hyper).isdisjoint(_real_tensors(leaves))
+    assert sum(resident.values()) == _nbytes(leaves) + sum(hyper.values())
     assert _nbytes([*state.params.values(), *state.buffers.values()]) == weights
     assert _real_tensors(state.model) == {}  # the module is structure only
     assert all(t.device.type == "meta" for t in (*state.model.parameters(), *state.model.buffers()))

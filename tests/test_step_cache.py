@@ -9,10 +9,10 @@ from pimm_fn.models import MLPClassifier
 THRESHOLD = 1e-3  # a module-level constant the user core below reads
 
 
-def _state(lr=1e-3, wd=0.01, hidden=32, seed=0):
+def _state(lr=1e-3, wd=0.01, hidden=32, seed=0, total=100, tx=None):
     torch.manual_seed(seed)
     model = MLPClassifier(8, 3, hidden=(hidden,))
-    return TrainState.create(model, optim.adamw(schedules.one_cycle(100, lr), weight_decay=wd), seed=seed)
+    return TrainState.create(model, tx or optim.adamw(schedules.one_cycle(total, lr), weight_decay=wd), seed=seed)
 
 
 def _batch(n=16, seed=0):
@@ -59,10 +59,16 @@ def test_anything_baked_into_the_step_changes_the_key():
     base = step_cache.fingerprint(core, _state())
     assert step_cache.fingerprint(steps.supervised(clip_grad=1.0).core, _state()) == base
     assert step_cache.fingerprint(core, _state(seed=3)) == base  # weights and seeds are inputs, not code
+    # The schedules' and the optimizer's numbers are inputs of the step (pimm_fn.hyper), not code.
+    assert step_cache.fingerprint(core, _state(lr=1e-2, total=300, wd=0.1)) == base
+    adam = optim.adam(schedules.one_cycle(100, 1e-3))
     changed = {
         "clip_grad": step_cache.fingerprint(steps.supervised(clip_grad=0.5).core, _state()),
-        "lr": step_cache.fingerprint(core, _state(lr=1e-2)),
-        "weight decay": step_cache.fingerprint(core, _state(wd=0.1)),
+        "no weight decay": step_cache.fingerprint(core, _state(wd=0.0)),
+        "b2": step_cache.fingerprint(core, _state(tx=optim.adamw(schedules.one_cycle(100, 1e-3), b2=0.99))),
+        "adam": step_cache.fingerprint(core, _state(tx=adam)),
+        "three phases": step_cache.fingerprint(core, _state(tx=optim.adamw(schedules.one_cycle(
+            100, 1e-3, three_phase=True)))),
         "width": step_cache.fingerprint(core, _state(hidden=16)),
         "accumulate": step_cache.fingerprint(steps.supervised(clip_grad=1.0, accumulate=2).core, _state()),
         "loss key": step_cache.fingerprint(steps.supervised(clip_grad=1.0, loss_key="nll").core, _state()),
@@ -89,6 +95,13 @@ def test_anything_baked_into_the_step_changes_the_key():
 
     assert step_cache.fingerprint(core, configured("ce")) != step_cache.fingerprint(core, configured("ce+lovasz"))
 
+    # A schedule in the core's own closure is hashed by value: there its numbers may be constants.
+    def weighted(weight):
+        return lambda state, batch: (state, {"w": weight(state.step)})
+
+    assert step_cache.fingerprint(weighted(schedules.constant(0.5)), _state()) != \
+        step_cache.fingerprint(weighted(schedules.constant(0.25)), _state())
+
     def user_core(state, batch):
         return state, {"t": torch.tensor(THRESHOLD)}
 
@@ -104,6 +117,23 @@ def test_anything_baked_into_the_step_changes_the_key():
     # a dynamic=True step's artifact serves any size its guards accept: sizes are not in the key
     unshaped = step_cache.leaves_key(inner, _batch(16), shapes=False)
     assert unshaped == step_cache.leaves_key(inner, _batch(8), shapes=False)
+
+
+def test_other_learning_rate_and_length_load_the_saved_step_and_use_their_numbers(saved):
+    """The peak lr, the run's length and the weight decay are the step's inputs: a run with
+    other values loads the saved step, and computes with its own values, as eager does."""
+    folder, first, _, _ = saved
+    again = compile_step(steps.supervised(clip_grad=1.0), cache=folder)
+    state = eager = _state(lr=3e-2, total=7, wd=0.2)
+    eager_step = compile_step(steps.supervised(clip_grad=1.0), eager=True)
+    for i in range(3):
+        state, metrics = again(state, _batch(seed=i))
+        eager, eager_metrics = eager_step(eager, _batch(seed=i))
+        assert torch.equal(metrics["lr"], eager_metrics["lr"])
+    assert again.loaded_from_cache and again.compile_count == 0 and again.cache_path == first.cache_path
+    assert float(metrics["lr"]) == pytest.approx(float(schedules.one_cycle(7, 3e-2)(torch.tensor(2))))
+    for k in state.params:
+        torch.testing.assert_close(state.params[k], eager.params[k], rtol=1e-5, atol=1e-6)
 
 
 def test_a_damaged_file_is_compiled_again_and_replaced(saved, tmp_path):

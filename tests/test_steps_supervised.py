@@ -123,6 +123,35 @@ def test_compiled_eager_and_seed_style_loop_agree(compiled_adamw_step):
     assert int(s_comp.step) == TOTAL
 
 
+@pytest.mark.parametrize("max_lr,total,pct,wd", [(0.05, 20, 0.2, 0.1), (2e-3, 400, 0.4, 1e-4)])
+def test_other_hyperparameters_reuse_the_compiled_step_and_follow_torch(compiled_adamw_step, max_lr, total,
+                                                                         pct, wd):
+    """Another peak lr, run length, warm-up or weight decay is an input of the compiled step:
+    no recompile, and its numbers are those of torch.optim.AdamW + OneCycleLR at the new values."""
+    torch.manual_seed(2)
+    model = BNNet()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(reference.parameters(), lr=max_lr, weight_decay=wd)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=total, pct_start=pct)
+    tx = optim.adamw(lr=schedules.one_cycle(total, max_lr, pct_start=pct),
+                     b1=schedules.one_cycle_momentum(total, pct_start=pct), weight_decay=wd)
+    state = TrainState.create(model, tx)
+    compiled_before = compiled_adamw_step.compile_count
+    for b in make_batches(12, seed=3):
+        out = reference(b)
+        opt.zero_grad()
+        out["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        lr_torch = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        state, m = compiled_adamw_step(state, b)
+        assert float(m["lr"]) == pytest.approx(lr_torch, rel=1e-6)
+    assert compiled_adamw_step.compile_count == max(compiled_before, 1), compiled_adamw_step.recompile_reasons
+    for name, p in reference.named_parameters():
+        assert (state.params[name] - p.detach()).abs().max() <= 1e-5, name
+
+
 def test_zero_graph_breaks_and_one_compile_over_changing_lr():
     state = TrainState.create(BNNet(), optim.adamw(lr=schedules.cosine(total_steps=100, base_lr=0.05)))
     batches = make_batches(100, seed=2)

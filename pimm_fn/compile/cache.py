@@ -17,13 +17,16 @@ refreshes an artifact's time) are removed until it holds at most
 
 The key is what the artifact was specialised on. dynamo's own guards (kept in the
 artifact) cover the tensors' shapes, dtypes and devices and the module's structure; they
-do not cover values captured by the step's closures (``clip_grad``, the schedule's
-constants, the optimizer's hyperparameters), so the key hashes those too:
+do not cover values captured by the step's closures (``clip_grad``, a loss weight, the
+optimizer's kernel scalars), so the key hashes those too:
 :func:`fingerprint` walks the step core and the optimizer through their closures,
 defaults and the globals their code names, down to numbers, strings and tensor values,
 plus the model's class sources, repr and train/eval flags, pimm_fn's own sources, torch's
 version and config, and the CPU. A value the walk cannot read is hashed by its repr, so
-an unknown object at worst costs a cache miss, never a stale load.
+an unknown object at worst costs a cache miss, never a stale load. The exception: a
+:class:`~pimm_fn.hyper.Hyper` reached through the state's optimizer (the schedules' and
+optimizers' numbers) holds tensors the step reads as inputs on every call, so only its
+names are in the key: a run with another learning rate or length loads the same step.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ import attrs
 import torch
 
 from .. import torch_compat
+from ..hyper import Hyper
 from ..tree import NAMESPACE, tree_leaves
 
 _MAX_DEPTH = 40
@@ -99,6 +103,8 @@ class _Hasher:
         # be hashed) freed while hashing could hand its id to a later object, which would
         # then hash as "<seen>" and drop out of the key.
         self._seen: dict = {}
+        # True while hashing the state's optimizer: its Hyper tensors are the step's inputs.
+        self.hyper_inputs = False
 
     def text(self, s: str) -> None:
         self.h.update(s.encode("utf-8", "backslashreplace"))
@@ -119,7 +125,10 @@ class _Hasher:
             return
         self._seen[id(obj)] = obj
         d = depth + 1
-        if isinstance(obj, torch.Tensor):
+        if isinstance(obj, Hyper):
+            # Elsewhere (a core's closure) a Hyper's tensors may be constants of the graph.
+            self.text(f"hyper:{list(obj.values)}" if self.hyper_inputs else f"hyper:{obj!r}")
+        elif isinstance(obj, torch.Tensor):
             t = obj.detach()
             self.text(f"tensor:{t.dtype}:{tuple(t.shape)}:{t.device}:{t.requires_grad}")
             if t.device.type != "meta":
@@ -249,6 +258,7 @@ def fingerprint(core, state) -> str:
             h.text(_ADDRESS.sub("", repr(config)))
     h.value(core)
     h.value(state.model)
+    h.hyper_inputs = True
     h.value(state.tx)
     h.value(state.loss_scale is None)
     return h.h.hexdigest()

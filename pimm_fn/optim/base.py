@@ -11,6 +11,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
+from ..schedules import constant
 from ..torch_compat import foreach_add
 from ..tree import tree_flatten, tree_unflatten
 
@@ -46,10 +47,7 @@ class GradientTransformation(NamedTuple):
 
 def as_schedule(value: ScalarOrSchedule) -> Schedule:
     """A number becomes a constant schedule; a schedule is returned unchanged."""
-    if callable(value):
-        return value
-    const = float(value)
-    return lambda count: torch.full((), const, dtype=torch.float32, device=count.device)
+    return value if callable(value) else constant(value)
 
 
 def apply_updates(params: Params, updates: Params) -> Params:

@@ -19,6 +19,11 @@ sgd's ``momentum`` and adam's ``b1``, which torch's OneCycleLR cycles. Each tran
 keeps its own ``count`` of applied updates and feeds it to its schedules: a step that a
 loss scaler skips (the old state kept with ``torch.where``) does not advance them, just
 as Pointcept's scheduler only sees steps whose optimizer step ran.
+
+The numbers a compiled step may take as inputs, so that changing them compiles nothing
+(:mod:`pimm_fn.hyper`): ``lr``, sgd's ``momentum``, adam's ``b1``, and adamw's decoupled
+``weight_decay``. The rest (``b2``, ``eps``, ``dampening``, the L2 ``weight_decay`` of sgd and
+adam) are scalars of torch's kernels, written into the step.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import torch
 
 from .. import torch_compat as F
 from ..compile.hoist import hoist
+from ..hyper import Hyper, prepare
 from ..tree import global_norm, tree_flatten, tree_leaves, tree_map, tree_scale, tree_unflatten
 from .base import GradientTransformation, ScalarOrSchedule
 
@@ -62,17 +68,31 @@ class AdamState(NamedTuple):
     nu_max: Optional[Any]
 
 
-def _zero_count(params) -> torch.Tensor:
+def _zero_count(params, *hyper) -> torch.Tensor:
+    """The ``count`` of no updates, on the params' device; ``hyper``'s tensors made there too."""
     leaves = tree_leaves(params)
     device = leaves[0].device if leaves else torch.device("cpu")
+    prepare(hyper, device)
     return torch.zeros((), dtype=torch.int64, device=device)
 
 
-def _value64(value: ScalarOrSchedule, count: torch.Tensor) -> torch.Tensor:
-    """A number or schedule evaluated at ``count``, as a float64 0-dim tensor."""
+def _hyper_value(value: ScalarOrSchedule) -> ScalarOrSchedule:
+    """A number as a float64 schedule over a :class:`Hyper` (an input of a compiled step, so
+    another number compiles nothing); a schedule unchanged."""
     if callable(value):
-        return value(count).to(torch.float64)
-    return torch.full((), float(value), dtype=torch.float64, device=count.device)
+        return value
+    h = Hyper(value=value)
+
+    def number(count: torch.Tensor) -> torch.Tensor:
+        return h.on(count.device)["value"]
+
+    number.hypers = (h,)
+    return number
+
+
+def _value64(value: ScalarOrSchedule, count: torch.Tensor) -> torch.Tensor:
+    """A schedule (or :func:`_hyper_value`) evaluated at ``count``, as a float64 0-dim tensor."""
+    return value(count).to(torch.float64)
 
 
 def _hyper(named: dict, count: torch.Tensor) -> dict:
@@ -107,10 +127,12 @@ def sgd(
     if nesterov and (not use_momentum or dampening != 0):
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     dampening, weight_decay = float(dampening), float(weight_decay)
+    logged = {"lr": _hyper_value(lr)} | ({"momentum": momentum} if callable(momentum) else {})
+    lr, momentum = logged["lr"], _hyper_value(momentum)
 
     def init(params):
         buf = tree_map(torch.zeros_like, params) if use_momentum else None
-        return SgdState(count=_zero_count(params), momentum=buf)
+        return SgdState(count=_zero_count(params, lr, momentum), momentum=buf)
 
     def update(grads, state, params):
         count = state.count
@@ -137,10 +159,7 @@ def sgd(
         return updates, SgdState(count=count + 1, momentum=buf if use_momentum else None)
 
     def hyperparams(state):
-        named = {"lr": lr}
-        if callable(momentum):
-            named["momentum"] = momentum
-        return _hyper(named, state.count)
+        return _hyper(logged, state.count)
 
     return GradientTransformation(init, update, hyperparams)
 
@@ -215,14 +234,19 @@ def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransfor
     if not 0.0 <= float(b2) < 1.0:
         raise ValueError(f"b2 must be in [0, 1), got {b2!r}")
     b2, eps, weight_decay = float(b2), float(eps), float(weight_decay)
+    logged = {"lr": _hyper_value(lr)} | ({"b1": b1} if callable(b1) else {})
+    lr, b1 = logged["lr"], _hyper_value(b1)
+    # Whether there is a decay decides the graph; AdamW's amount is an input, Adam's L2 a kernel scalar.
+    has_decay = weight_decay != 0.0
+    decays = decoupled and has_decay  # AdamW's decay of the param itself
+    decay = _hyper_value(weight_decay) if decays else None
+    l2 = weight_decay if has_decay and not decoupled else 0.0
 
     def init(params):
         zeros = lambda: tree_map(torch.zeros_like, params)  # noqa: E731
         return AdamState(
-            count=_zero_count(params), mu=zeros(), nu=zeros(), nu_max=zeros() if amsgrad else None
+            count=_zero_count(params, lr, b1, decay), mu=zeros(), nu=zeros(), nu_max=zeros() if amsgrad else None
         )
-
-    decays = decoupled and weight_decay != 0.0  # AdamW's decay of the param itself
 
     def step(grads, state, params, new_params: bool):
         """(updates, or the new params if new_params; the new state)."""
@@ -237,7 +261,7 @@ def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransfor
         bias_c2 = 1.0 - b2**t
         neg_step_size = -(lr_t / bias_c1)
         bias_c2_sqrt = torch.pow(bias_c2, 0.5)
-        keep = 1.0 - lr_t * weight_decay
+        keep = 1.0 - lr_t * _value64(decay, count) if decays else None
         bias_c2_sqrt, neg_step_size, keep = map(_per_dtype, (bias_c2_sqrt, neg_step_size, keep))
         # Eager on the CPU the step size is read as a number for addcdiv (its scalar must
         # be one), which in float32/64 rounds each op as the separate ops do.
@@ -245,8 +269,8 @@ def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransfor
 
         def kernel(g, p, m, v, v_max):
             dtype = m[0].dtype
-            if weight_decay != 0.0 and not decoupled:
-                g = F.foreach_add(g, p, alpha=weight_decay)
+            if l2:
+                g = F.foreach_add(g, p, alpha=l2)
             mu = F.foreach_lerp(m, g, weight(dtype))
             nu = F.foreach_addcmul_(F.foreach_mul(v, _number(b2, m[0])), g, g, value=1.0 - b2)
             if amsgrad:
@@ -272,7 +296,7 @@ def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransfor
             # step is at most the param's own size (then new_p - p is exact).
             return [F.foreach_sub_(new_p, p), mu, nu, v_max]
 
-        uses_params = weight_decay != 0.0 or new_params
+        uses_params = has_decay or new_params
         trees = (grads, params if uses_params else None, state.mu, state.nu, state.nu_max if amsgrad else None)
         out, mu, nu, nu_max = _foreach_leaves(kernel, trees, n_out=4, ref=2)
         return out, AdamState(count=count + 1, mu=mu, nu=nu, nu_max=nu_max if amsgrad else None)
@@ -284,10 +308,7 @@ def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransfor
         return step(grads, state, params, new_params=True)
 
     def hyperparams(state):
-        named = {"lr": lr}
-        if callable(b1):
-            named["b1"] = b1
-        return _hyper(named, state.count)
+        return _hyper(logged, state.count)
 
     return GradientTransformation(init, update, hyperparams, apply)
 
