@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from pimm_fn import schedules
-from pimm_fn.hyper import Hyper, hypers_of, prepare
+from pimm_fn.hyper import Hyper, hypers_of
 
 CPU = torch.device("cpu")
 
@@ -14,7 +14,6 @@ def test_a_hyper_gives_the_same_float64_tensors_on_every_call():
     assert first is h.on(CPU)
     assert {k: (v.dtype, v.shape, float(v)) for k, v in first.items()} == {
         "lr": (torch.float64, (), 1e-3), "total": (torch.float64, (), 100.0)}
-    prepare([schedules.constant(0.5)], "meta")  # made on another device on the host
     assert repr(h) == "Hyper(lr=0.001, total=100.0)"
 
 
