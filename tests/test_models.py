@@ -314,6 +314,8 @@ def test_mlp_classifier_matches_cross_entropy_and_learns():
     for _ in range(30):
         state, m = step(state, {"x": x, "y": y})
     assert float(m["loss"]) < float(m0["loss"]) and float(m["acc"]) > 0.8
+    # one hidden width may be given as a number (as CategoricalMLPPolicy takes it)
+    assert repr(MLPClassifier(5, 3, 16)) == repr(MLPClassifier(5, 3, hidden=(16,)))
 
 
 # ----------------------------------------------------------------- policies

@@ -1,7 +1,7 @@
 """Small classifiers: a conv net for images and an MLP for tests and benchmarks."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 from torch import nn
@@ -66,13 +66,15 @@ class MLPClassifier(nn.Module):
     Args:
         in_features: width of ``batch["x"]`` [B, in_features].
         num_classes: classes; ``batch["y"]`` is [B] int64 (-1 = ignore).
-        hidden: hidden layer widths (ReLU between layers; no norm, so no buffers).
+        hidden: hidden layer widths, or one width (ReLU between layers; no norm, so no buffers).
     """
 
     label_key = "y"  # the batch entry its loss is computed from
 
-    def __init__(self, in_features: int, num_classes: int, hidden: Sequence[int] = (64,)):
+    def __init__(self, in_features: int, num_classes: int, hidden: Union[int, Sequence[int]] = (64,)):
         super().__init__()
+        if isinstance(hidden, int):
+            hidden = (hidden,)
         layers, cin = [], in_features
         for h in hidden:
             layers += [nn.Linear(cin, h), nn.ReLU()]
