@@ -31,7 +31,20 @@ class _Holder:
         self.schedule = schedule
 
 
+def _users_schedule(k):
+    """A schedule of one's own, as docs/migration.md describes it: its numbers in a Hyper."""
+    h = Hyper(peak=0.1 * k, warm=5 * k)
+
+    def schedule(count):
+        n = h.on(count.device)
+        return (n["peak"] * torch.clamp(count / n["warm"], max=1.0)).to(torch.float32)
+
+    schedule.hypers = (h,)
+    return schedule
+
+
 FACTORIES = {
+    "users_own": _users_schedule,
     "one_cycle": lambda k: schedules.one_cycle(100 * k, 1e-3 * k, pct_start=0.2 + 0.1 * k),
     "one_cycle_momentum": lambda k: schedules.one_cycle_momentum(100 * k, 0.8 + 0.01 * k),
     "cosine": lambda k: schedules.cosine(50 * k, 1e-2 / k, eta_min=1e-5 * k),
