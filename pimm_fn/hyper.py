@@ -34,14 +34,16 @@ class Hyper:
     def __init__(self, **values: float):
         self.values = {name: float(v) for name, v in values.items()}
         self._vectors: dict = {}  # device -> all the values, one 1-D tensor
-        self._scalars: dict = {}  # device -> name -> 0-dim tensor, for eager calls
+        self._scalars: dict = {}  # device -> name -> 0-dim view of the vector, for eager calls
         self._make(_CPU)
 
     def _make(self, device: torch.device) -> dict:
-        self._vectors[device] = torch.tensor(list(self.values.values()), dtype=torch.float64, device=device)
-        made = self._scalars[device] = {
-            name: torch.tensor(v, dtype=torch.float64, device=device) for name, v in self.values.items()}
+        vector = self._vectors[device] = torch.tensor(list(self.values.values()), dtype=torch.float64, device=device)
+        made = self._scalars[device] = self._named(vector)
         return made
+
+    def _named(self, vector: torch.Tensor) -> dict:
+        return {name: vector[i] for i, name in enumerate(self.values)}
 
     def on(self, device: torch.device) -> dict:
         """name -> 0-dim float64 tensor on ``device``."""
@@ -55,7 +57,7 @@ class Hyper:
                 # step off CUDA graphs: a schedule wrapped in a user's function is not
                 # prepared unless the function lists it in its own ``hypers``.
                 vector = self._vectors[_CPU].to(device)
-            return {name: vector[i] for i, name in enumerate(self.values)}
+            return self._named(vector)
         found = self._scalars.get(device)
         return found if found is not None else self._make(device)
 
