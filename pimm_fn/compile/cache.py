@@ -126,7 +126,8 @@ class _Hasher:
         self._seen[id(obj)] = obj
         d = depth + 1
         if isinstance(obj, Hyper):
-            # Elsewhere (a core's closure) a Hyper's tensors may be constants of the graph.
+            # In a core's own closure a Hyper's tensors are constants of a saved step (a load
+            # with other values returns the saved ones): hashed by value there.
             self.text(f"hyper:{list(obj.values)}" if self.hyper_inputs else f"hyper:{obj!r}")
         elif isinstance(obj, torch.Tensor):
             t = obj.detach()
