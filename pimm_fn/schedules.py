@@ -313,12 +313,12 @@ def poly(total_steps: int, base_lr: float, power: float = 0.9) -> Schedule:
     """The seed's PolyLR: ``base_lr * (1 - s / (total_steps + 1)) ** power``."""
     total_steps = _check_total_steps(total_steps, "poly", base_lr)
     power = float(power)  # the curve's shape: a Python number, which torch.pow special-cases
-    h = Hyper(total=total_steps, total_plus_one=total_steps + 1, base_lr=base_lr)
+    h = Hyper(total=total_steps, base_lr=base_lr)
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
         n = h.on(count.device)
         s = _steps(count, n["total"])
-        return _f32(n["base_lr"] * (1 - s / n["total_plus_one"]) ** power)
+        return _f32(n["base_lr"] * (1 - s / (n["total"] + 1)) ** power)  # an integer + 1: exact
 
     return _schedule(schedule, h)
 
