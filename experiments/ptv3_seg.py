@@ -40,6 +40,7 @@ SETTINGS = {
     "drop_path": 0.3,         # PTv3's own; at 0.1 the run overfits its 20 blocks (final mIoU 0.881)
     "point_dropout": 0.2,     # PTv3's RandomDropout (a fifth of the points, on 20% of samples); 0 = off
     "loss": "ce+lovasz",      # cross-entropy + Lovasz-softmax, as PTv3's configs train; or "ce"
+    "trace_conv": False,      # True: positional encodings traced into the step (faster steps, longer compile)
     "num_workers": 0,
     "compile": True,
     "seed": 0,
@@ -64,7 +65,7 @@ def transform(grid_size: float, mode: str, point_dropout: float = 0.0):
 def make_model(s: dict) -> PTv3:
     return recipes.ptv3_unet(4, LidarBlocks.num_classes, channels=s["channels"], depths=s["depths"],
                              dec_depths=s["dec_depths"], patch_size=s["patch_size"], drop_path=s["drop_path"],
-                             loss=s["loss"])
+                             loss=s["loss"], trace_conv=s["trace_conv"])
 
 
 def build(settings: dict, ctx) -> Run:

@@ -362,3 +362,29 @@ def test_grpo_rollout_made_on_the_host_goes_to_the_states_device():
     new, m = step(state, batch)
     assert new.params["lin.weight"].device == DEV and torch.isfinite(m["loss"])
     assert not torch.equal(new.params["lin.weight"], state.params["lin.weight"])
+
+
+# ------------------------------------------------------------------ ops
+def test_neighbour_conv_on_cuda_equals_the_cpu_and_repeats_bitwise():
+    # One index_add_ per tap on CUDA (atomics): PTv3's pairs write a row once per tap, so
+    # two calls give the same bits; the result equals the CPU's to rounding.
+    from pimm_fn.models.serialization import CENTRE, OFF_CENTRE, neighbour_map, neighbour_pairs
+    from pimm_fn.ops import neighbour_conv
+
+    torch.manual_seed(0)
+    grid = torch.unique(torch.randint(0, 12, (3000, 3)), dim=0)
+    pairs = neighbour_pairs(neighbour_map(grid, torch.zeros(len(grid), dtype=torch.long)))
+    x = torch.randn(len(grid), 32, requires_grad=True)
+    weight = torch.randn(27, 32, 16, requires_grad=True)
+
+    def run(device):
+        xd, wd = x.detach().to(device).requires_grad_(), weight.detach().to(device).requires_grad_()
+        rows = [r.to(device) for r in pairs["rows"]]
+        cols = [c.to(device) for c in pairs["cols"]]
+        out = neighbour_conv(xd, wd, OFF_CENTRE, rows, cols, centre=CENTRE)
+        return (out, *torch.autograd.grad(out.square().sum(), [xd, wd]))
+
+    first, second, cpu = run(DEV), run(DEV), run("cpu")
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    for a, b in zip(first, cpu):
+        assert torch.allclose(a.cpu(), b, rtol=1e-4, atol=1e-3 * float(b.abs().max()))

@@ -125,6 +125,31 @@ def test_sparse_submconv_equals_the_dense_gather_form(cin):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_traced_and_op_forms_of_the_convolution_give_the_same_bits():
+    # trace=True: a compiled step traces the per-offset loop (no op in the graph); eager
+    # calls and trace=False call the op. Both are the same additions in the same order.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from pimm_fn.models.ptv3 import SubMConv
+
+    grid = torch.unique(torch.randint(0, 7, (300, 3)), dim=0)
+    pairs = neighbour_pairs(neighbour_map(grid, torch.zeros(len(grid), dtype=torch.long)))
+    results, ops_in_graph = [], []
+    for trace in (False, True):
+        torch.manual_seed(0)
+        conv = SubMConv(8, 8, trace=trace)
+        x = torch.randn(len(grid), 8)
+        counter = CompileCounterWithBackend("aot_eager")
+        out = torch.compile(conv, fullgraph=True, backend=counter)(x, None, pairs)
+        results.append((out, conv(x, None, pairs)))
+        ops_in_graph.append(sum(n.target == torch.ops.pimm_fn.neighbour_conv.default
+                                for n in counter.graphs[0].graph.nodes))
+    assert ops_in_graph == [1, 0]
+    (op_compiled, op_eager), (traced_compiled, traced_eager) = results
+    assert torch.equal(op_compiled, op_eager) and torch.equal(op_eager, traced_eager)
+    assert torch.equal(traced_compiled, op_eager)
+
+
 @pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
 def test_sparse_submconv_back_propagates_under_bfloat16_autocast(input_dtype):
     # Under autocast the forward's products run in bfloat16 and a block's input may itself

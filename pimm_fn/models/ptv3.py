@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.collate import PointCollate
+from ..ops import neighbour_conv
 from ._common import classification_outputs, make_norm
 from .serialization import CENTRE, OFF_CENTRE, ORDERS, TopologySpec, build_topology
 
@@ -57,10 +58,17 @@ class SubMConv(nn.Module):
     data most of the 26 offsets are empty, so this is most of the dense form's work saved
     (benchmarks/README.md, "The PTv3-class backbone"). Without, the dense form: a gather to
     [N, 27, C] and one matmul. Same weights, same result to rounding.
+
+    The sparse form runs as one op (:func:`~pimm_fn.ops.neighbour_conv`), which a compiled
+    step calls instead of tracing its 26 offsets: a much shorter cold compile. With
+    ``trace=True`` a compiled step traces it instead and inductor fuses each offset's
+    gather and add: faster compiled steps, a longer compile (benchmarks/README.md, "Sparse
+    convolutions as ops"). Eager calls always use the op. Both give the same bits.
     """
 
-    def __init__(self, cin: int, cout: int, bias: bool = True):
+    def __init__(self, cin: int, cout: int, bias: bool = True, trace: bool = False):
         super().__init__()
+        self.trace = trace
         self.weight = nn.Parameter(torch.empty(27 * cin, cout))
         self.bias = nn.Parameter(torch.zeros(cout)) if bias else None
         nn.init.kaiming_uniform_(self.weight.T, a=5 ** 0.5)  # as nn.Linear, fan-in 27 * cin
@@ -68,8 +76,11 @@ class SubMConv(nn.Module):
     def forward(self, x: torch.Tensor, neighbours: torch.Tensor, pairs: Optional[dict] = None) -> torch.Tensor:
         if pairs is None:
             out = _NeighbourGather.apply(x, neighbours).flatten(1) @ self.weight
-        else:
+        elif self.trace and torch.compiler.is_compiling():
             out = _SparseNeighbourConv.apply(x, self.weight, *pairs["rows"], *pairs["cols"])
+        else:
+            weight = self.weight.view(27, x.shape[1], -1)
+            out = neighbour_conv(x, weight, OFF_CENTRE, pairs["rows"], pairs["cols"], centre=CENTRE)
         return out if self.bias is None else out + self.bias
 
 
@@ -84,7 +95,10 @@ def _minus_product(base: torch.Tensor, a: torch.Tensor, neg_b: torch.Tensor) -> 
 
 
 class _SparseNeighbourConv(torch.autograd.Function):
-    """The submanifold convolution over the present neighbour pairs, offset by offset.
+    """The submanifold convolution over the present neighbour pairs, offset by offset, traced.
+
+    ``SubMConv(trace=True)``'s form inside a compiled step: inductor fuses each offset's
+    gather and add into its store (faster steps, a longer cold compile than the op's).
 
     ``apply(x, weight, *rows, *cols)`` with the 26 row and 26 column lists of
     :func:`~pimm_fn.models.serialization.neighbour_pairs`. Within one offset no row or
@@ -325,6 +339,9 @@ class PTv3(nn.Module):
         the MLP width factor and the largest stochastic-depth rate (linear over encoder
         blocks, as in PTv3). norm: "batch" (PTv3's) or "layer" for the embedding, pooling
         and unpooling (the blocks always use LayerNorm). label_key: the labels' batch key. loss: "ce" or "ce+lovasz".
+    trace_conv: trace the positional-encoding convolutions into a compiled step (faster
+        compiled steps, a longer cold compile) instead of calling each as one op
+        (:class:`SubMConv`'s ``trace``).
     The defaults are PTv3's base configuration with patches of 128 points.
     """
 
@@ -336,7 +353,7 @@ class PTv3(nn.Module):
                  dec_channels: Sequence[int] = (64, 64, 128, 256), dec_heads: Sequence[int] = (4, 4, 8, 16),
                  patch_size=128, orders: Sequence[str] = ORDERS, shuffle_orders: bool = True,
                  mlp_ratio: float = 4.0, drop_path: float = 0.3, norm: str = "batch", loss: str = "ce",
-                 class_weight: Optional[Sequence[float]] = None):
+                 class_weight: Optional[Sequence[float]] = None, trace_conv: bool = False):
         super().__init__()
         levels = len(enc_depths)
         for name, value in (("enc_channels", enc_channels), ("enc_heads", enc_heads)):
@@ -365,6 +382,9 @@ class PTv3(nn.Module):
             self.dec.append(_Stage(unpool, dec_channels[i], dec_depths[i], dec_heads[i], mlp_ratio,
                                    [0.0] * dec_depths[i]))
         self.head = nn.Linear(dec_channels[0] if levels > 1 else enc_channels[0], num_classes)
+        for module in self.modules():
+            if isinstance(module, SubMConv):
+                module.trace = trace_conv
 
     def collate(self, mix_prob: float = 0.0) -> "PTv3Collate":
         """The point collate that also builds this model's topology (in the loader's workers)."""
