@@ -34,9 +34,7 @@ Read the load average printed with the table: compile times on a busy machine ar
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -121,12 +119,10 @@ def _child(model: str, cache, threads: int = 0, steps_after: int = 0) -> dict:
 
 
 def _spawn(model: str, env: dict, cache, threads: int = 0, steps_after: int = 0) -> dict:
-    code = (f"import sys, json; sys.path.insert(0, {HERE!r}); import compile_time as c; "
-            f"print(json.dumps(c._child({model!r}, {cache!r}, {threads!r}, {steps_after!r})))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
-    if out.returncode != 0:
-        raise RuntimeError(f"{model} probe failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    from pimm_fn.bench.child import run_child  # here: a child importing this file must not import torch
+
+    return run_child(__file__, f"_child({model!r}, {cache!r}, {threads!r}, {steps_after!r})", env=env,
+                     timeout=1800, label=f"{model} probe")
 
 
 def measure(model: str, runs=RUNS, threads: int = 0, steps_after: int = 0) -> dict:

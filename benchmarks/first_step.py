@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -93,19 +92,16 @@ def _child(model: str, way: str, steps_wanted: int, after: int, seconds: float, 
 
 
 def _spawn(model, way, args) -> dict:
+    from pimm_fn.bench.child import run_child  # here: a child importing this file must not import torch
+
     with tempfile.TemporaryDirectory(prefix="pimm_fn_first_step_") as tmp:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor"),
                "XDG_CACHE_HOME": os.path.join(tmp, "home"), "PIMM_FN_ISA_MEMO": "1", "PIMM_FN_STEP_CACHE": "off"}
         env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         if args.threads:
             env["OMP_NUM_THREADS"] = str(args.threads)
-        code = (f"import sys, json; sys.path.insert(0, {HERE!r}); import first_step as f; "
-                f"print(json.dumps(f._child({model!r}, {way!r}, {args.steps}, {args.after}, {args.seconds}, "
-                f"{args.threads})))")
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=7200)
-    if out.returncode != 0:
-        raise RuntimeError(f"{model}/{way} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        return run_child(__file__, f"_child({model!r}, {way!r}, {args.steps}, {args.after}, {args.seconds}, "
+                                   f"{args.threads})", env=env, timeout=7200, label=f"{model}/{way}")
 
 
 def main(argv=None) -> int:

@@ -23,9 +23,7 @@ model of benchmarks/compile_time.py on a real LiDAR batch.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -88,14 +86,9 @@ def child(model: str, cache: str, threads: int, changes: list) -> dict:
 
 
 def _spawn(model: str, cache: str, threads: int, changes: list) -> dict:
-    code = (f"import sys, json; sys.path.insert(0, {HERE!r}); import new_hyperparameters as n; "
-            f"print(json.dumps(n.child({model!r}, {cache!r}, {threads!r}, {changes!r})))")
-    # Run from this folder, so that the pimm_fn imported is the installed one or PYTHONPATH's
-    # (from the repository root, "-c" would put the checkout's own pimm_fn first).
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3000, cwd=HERE)
-    if out.returncode != 0:
-        raise RuntimeError(f"{model} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    from pimm_fn.bench.child import run_child  # here: a child importing this file must not import torch
+
+    return run_child(__file__, f"child({model!r}, {cache!r}, {threads!r}, {changes!r})", timeout=3000, label=model)
 
 
 def main(argv=None) -> int:

@@ -165,3 +165,33 @@ def test_bench_graph_breaks_leaves_the_callers_generator_alone():
     torch.manual_seed(11)
     assert bench.graph_breaks(steps.supervised(), state, batch)[0] == 0
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_run_child_calls_a_scripts_function_in_its_folder_and_names_a_failure(tmp_path):
+    # The child runs in the script's folder: a checkout's own package in the caller's
+    # folder is not imported (here a fake `pimm_fn` beside the caller's cwd would shadow it).
+    import os
+
+    from pimm_fn.bench.child import run_child
+
+    script = tmp_path / "bench_dir" / "probe.py"
+    script.parent.mkdir()
+    script.write_text("import os\n"
+                      "def where(x):\n"
+                      "    import pimm_fn\n"
+                      "    return {'x': x, 'cwd': os.getcwd(), 'pimm_fn': pimm_fn.__file__}\n"
+                      "def fail():\n"
+                      "    raise ValueError('the child says why')\n")
+    caller = tmp_path / "checkout"
+    (caller / "pimm_fn").mkdir(parents=True)
+    (caller / "pimm_fn" / "__init__.py").write_text("raise ImportError('the wrong pimm_fn')\n")
+    old = os.getcwd()
+    os.chdir(caller)
+    try:
+        got = run_child(str(script), "where(3)", timeout=120, label="probe")
+        with pytest.raises(RuntimeError, match="(?s)probe failed.*the child says why"):
+            run_child(str(script), "fail()", timeout=120, label="probe")
+    finally:
+        os.chdir(old)
+    assert got["x"] == 3 and got["cwd"] == str(script.parent)
+    assert not got["pimm_fn"].startswith(str(caller))
