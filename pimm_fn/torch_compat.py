@@ -342,7 +342,7 @@ def graph_break_records(handler: logging.Handler):
 # number; ``other`` may also be a list, pairwise.
 # ---------------------------------------------------------------------------------------
 __all__ += ["foreach_add", "foreach_add_", "foreach_addcdiv", "foreach_addcdiv_", "foreach_addcmul_", "foreach_div_",
-            "foreach_lerp", "foreach_maximum", "foreach_mul", "foreach_norm", "foreach_sqrt",
+            "foreach_lerp", "foreach_maximum", "foreach_mul", "foreach_norm", "foreach_sqrt", "fused_adam_",
             "foreach_sub_", "is_plain_eager_tensor"]
 
 
@@ -483,6 +483,19 @@ def foreach_addcdiv_(xs: list, t1: list, t2: list, *, value: float = 1.0) -> lis
     else:
         torch._foreach_addcdiv_(xs, t1, t2, value=value)
     return xs
+
+
+def fused_adam_(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, max_exp_avg_sqs: list,
+                step: float, *, lr: float, beta1: float, beta2: float, weight_decay: float, eps: float,
+                amsgrad: bool, decoupled: bool) -> None:
+    """torch's fused Adam / AdamW kernel (``torch.optim.Adam[W](fused=True)``), eager only:
+    ``params``, the moments (and ``max_exp_avg_sqs`` with ``amsgrad``) updated in place, one
+    pass over each tensor; ``grads`` only read. ``step``: the incremented step count, as
+    torch's float32 step tensors hold it."""
+    steps = [torch.tensor(step, dtype=torch.float32)] * len(params)
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2,
+           weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=False)
 
 
 def is_plain_eager_tensor(t) -> bool:

@@ -18,6 +18,7 @@ from pimm_fn.optim import (
     grouped,
     sgd,
     to_torch_state_dict,
+    update_and_apply,
 )
 from pimm_fn.schedules import one_cycle, one_cycle_momentum
 from pimm_fn.tree import tree_where
@@ -288,6 +289,80 @@ def test_update_is_pure_and_a_skipped_step_keeps_the_schedule_position():
     assert int(kept[1].groups["block"].count) == 3
     assert float(tx.hyperparams(kept)["lr/block"]) == float(tx.hyperparams(state)["lr/block"])
     assert float(tx.hyperparams(new_state)["lr/block"]) != float(tx.hyperparams(state)["lr/block"])
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["plain", "amsgrad"])
+@pytest.mark.parametrize("factory, torch_cls", [(adamw, torch.optim.AdamW), (adam, torch.optim.Adam)],
+                         ids=["adamw", "adam"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
+def test_eager_apply_gives_torch_bits_fused_or_not(factory, torch_cls, amsgrad, fused):
+    """Eager on the CPU, ``apply`` with ``fused=True`` (the default) gives the params and moments of
+    ``torch.optim.Adam[W](fused=True)`` bit for bit, and with ``fused=False`` those of torch's
+    per-tensor default; its inputs are never written. The lr is a float32 number: schedules
+    hold their values in float32, and the fused kernel takes the lr in float64 (with
+    OneCycleLR's float64 lr the params agree to float32 round-off, the moments exactly)."""
+    model = make_model()
+    params = detached(model)
+    ref = [nn.Parameter(p.clone()) for p in params.values()]
+    impl = {"fused": True} if fused else {"foreach": False}
+    lr, b1 = 2.0**-7, one_cycle_momentum(STEPS, pct_start=0.3, anneal_strategy="cos")
+    opt = torch_cls(ref, lr=lr, weight_decay=0.05, amsgrad=amsgrad, **impl)
+    tx = factory(lr, b1=b1, weight_decay=0.05, amsgrad=amsgrad, fused=fused)
+    state = tx.init(params)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(8):
+        grads = {n: torch.randn(p.shape, generator=g) for n, p in params.items()}
+        opt.param_groups[0]["betas"] = (float(b1(state.count)), 0.999)  # OneCycleLR's momentum cycle
+        for p, grad in zip(ref, grads.values()):
+            p.grad = grad.clone()
+        opt.step()
+        before = copy.deepcopy((grads, state, params))
+        params, new_state = update_and_apply(tx, grads, state, params)
+        torch.testing.assert_close((grads, state), before[:2], rtol=0, atol=0)  # inputs untouched
+        state = new_state
+    for p, (name, got) in zip(ref, params.items()):
+        torch_state = opt.state[p]
+        assert torch.equal(got, p.detach()), name
+        assert torch.equal(state.mu[name], torch_state["exp_avg"]), name
+        assert torch.equal(state.nu[name], torch_state["exp_avg_sq"]), name
+        if amsgrad:
+            assert torch.equal(state.nu_max[name], torch_state["max_exp_avg_sq"]), name
+
+
+def test_fused_apply_follows_torch_fused_over_one_cycle():
+    """With OneCycleLR (float64 lrs) against the schedule's float32 ones: round-off apart."""
+    model = make_model()
+    params = detached(model)
+    ref = [nn.Parameter(p.clone()) for p in params.values()]
+    opt = torch.optim.AdamW(ref, lr=0.01, weight_decay=0.05, fused=True)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=STEPS, cycle_momentum=False)
+    tx = adamw(one_cycle(STEPS, 0.01), weight_decay=0.05)
+    state = tx.init(params)
+    for x, y in BATCHES[:50]:
+        opt.zero_grad()
+        grads = grad_fn(model)(params, x, y)
+        for p, grad in zip(ref, grads.values()):
+            p.grad = grad.clone()
+        opt.step()
+        sched.step()
+        params, state = update_and_apply(tx, grads, state, params)
+    for p, got in zip(ref, params.values()):
+        torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_and_separate_kernels_differ_only_in_round_off():
+    """The two eager forms are different kernels (so the option is real), equal to round-off."""
+    g = torch.Generator().manual_seed(5)
+    params = {"w": torch.randn(200_000, generator=g)}
+    runs = []
+    for fused in (True, False):
+        tx = adamw(1e-3, weight_decay=0.05, fused=fused)
+        p, state = params, tx.init(params)
+        for _ in range(3):
+            p, state = update_and_apply(tx, {"w": torch.randn(200_000, generator=g.manual_seed(6))}, state, p)
+        runs.append(p["w"])
+    assert not torch.equal(*runs)
+    torch.testing.assert_close(*runs, rtol=1e-6, atol=1e-9)
 
 
 def test_clip_matches_clip_grad_norm():

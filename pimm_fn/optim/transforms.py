@@ -10,7 +10,10 @@ op makes new tensors or writes in place only into tensors this update has just m
 
 Each transform's ``apply`` makes the new params directly (:func:`pimm_fn.optim.update_and_apply`,
 which the steps use): adam / adamw give torch's params bit for bit, ``p * (1 - lr * wd)``
-then ``addcdiv``. AdamW's ``update`` is the difference of those params and the old ones,
+then ``addcdiv``. In eager code on the CPU adam / adamw ``apply`` instead runs torch's fused
+kernel on copies of the params and moments (``fused=True``, the default): one pass over each
+tensor instead of eight, the numbers of ``torch.optim.Adam[W](fused=True)``.
+AdamW's ``update`` is the difference of those params and the old ones,
 which :func:`apply_updates` turns back into them exactly wherever the step is at most the
 param's own size (elsewhere to an ulp).
 
@@ -226,7 +229,7 @@ def _foreach_leaves(kernel, trees: tuple, n_out: int, ref: int = 0) -> list:
     return [None if out is None else tree_unflatten(treedef, out) for out in outs]
 
 
-def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransformation:
+def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled, fused) -> GradientTransformation:
     _check_number("lr", lr)
     _check_number("b1", b1)
     _check_number("eps", eps)
@@ -267,8 +270,21 @@ def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransfor
         # be one), which in float32/64 rounds each op as the separate ops do.
         host_step = F.is_plain_eager_tensor(lr_t) and lr_t.device.type == "cpu"
 
+        def fused_kernel(g, p, m, v, v_max):
+            """torch's fused kernel on copies: one pass per tensor, where the separate
+            kernels make eight; the numbers of ``torch.optim.Adam[W](fused=True)``."""
+            new_p, mu, nu = ([x.clone() for x in xs] for xs in (p, m, v))
+            nu_max = [x.clone() for x in v_max] if amsgrad else []
+            wd = float(_value64(decay, count)) if decays else l2
+            F.fused_adam_(new_p, g, mu, nu, nu_max, float(t), lr=float(lr_t), beta1=float(b1_t), beta2=b2,
+                          weight_decay=wd, eps=eps, amsgrad=amsgrad, decoupled=decoupled)
+            return [new_p, mu, nu, nu_max if amsgrad else None]
+
         def kernel(g, p, m, v, v_max):
             dtype = m[0].dtype
+            if use_fused and dtype in (torch.float32, torch.float64) and all(
+                    type(x) is torch.Tensor and x.dtype == dtype for xs in (g, p) for x in xs):
+                return fused_kernel(g, p, m, v, v_max)
             if l2:
                 g = F.foreach_add(g, p, alpha=l2)
             mu = F.foreach_lerp(m, g, weight(dtype))
@@ -296,6 +312,9 @@ def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled) -> GradientTransfor
             # step is at most the param's own size (then new_p - p is exact).
             return [F.foreach_sub_(new_p, p), mu, nu, v_max]
 
+        # Eager on the CPU, new params are made by torch's fused kernel (``fused``); compiled,
+        # inductor fuses the separate kernels' element math itself.
+        use_fused = fused and new_params and host_step
         uses_params = has_decay or new_params
         trees = (grads, params if uses_params else None, state.mu, state.nu, state.nu_max if amsgrad else None)
         out, mu, nu, nu_max = _foreach_leaves(kernel, trees, n_out=4, ref=2)
@@ -320,13 +339,19 @@ def adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     amsgrad: bool = False,
+    fused: bool = True,
 ) -> GradientTransformation:
     """``torch.optim.Adam``: weight decay is L2, added to the gradient.
 
     lr, b1: numbers or schedules (b1 is what OneCycleLR cycles); b2, eps: numbers.
     amsgrad: normalise by the running maximum of the second moment.
+    fused: in eager steps on the CPU, make the new params with torch's fused kernel, the
+    numbers of ``torch.optim.Adam(fused=True)`` (float32 / float64 params); False: the
+    separate kernels everywhere, the numbers of torch's default and foreach kernels.
+    Compiled steps use the separate kernels' math either way (they differ from the fused
+    kernel's in the last bit of some elements).
     """
-    return _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled=False)
+    return _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled=False, fused=fused)
 
 
 def adamw(
@@ -336,12 +361,14 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 0.01,
     amsgrad: bool = False,
+    fused: bool = True,
 ) -> GradientTransformation:
     """``torch.optim.AdamW``: decoupled weight decay, ``p * (1 - lr * wd)`` before the step.
 
-    Arguments as :func:`adam`; the decay uses the scheduled lr of the step.
+    Arguments as :func:`adam`; the decay uses the scheduled lr of the step; ``fused``: the
+    numbers of ``torch.optim.AdamW(fused=True)`` in eager steps on the CPU.
     """
-    return _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled=True)
+    return _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled=True, fused=fused)
 
 
 def clip_to_norm(grads, norm: torch.Tensor, max_norm: float):
