@@ -10,7 +10,9 @@ On the PTv3-class backbone with two blocks per level (``ptv3_deep``: 209 paramet
   (on the CPU the per-tensor loop; foreach only on accelerators), OneCycleLR;
 - ``seed_foreach``: the same with ``AdamW(foreach=True)``;
 - ``pimm_eager``: ``compile_step(supervised(clip_grad=1.0), eager=True)`` with
-  ``pimm_fn.optim.adamw`` over ``schedules.one_cycle``.
+  ``pimm_fn.optim.adamw`` over ``schedules.one_cycle`` (its eager update on torch's fused
+  AdamW kernel);
+- ``pimm_separate``: the same with ``adamw(..., fused=False)``, the separate foreach kernels.
 
 A round runs every way over all batches (the order rotates per round). Each way's time
 per step is read on two clocks: the training thread's CPU time (what the step itself
@@ -36,22 +38,30 @@ import torch
 from pimm_fn.bench import machine_info
 from pimm_fn.bench import workloads as W
 from pimm_fn.compile import compile_step
+from pimm_fn.optim import adamw
+from pimm_fn.schedules import one_cycle
+from pimm_fn.state import TrainState
 
-WAYS = ("seed_default", "seed_foreach", "pimm_eager")
+WAYS = ("seed_default", "seed_foreach", "pimm_eager", "pimm_separate")
 CLOCKS = {"thread_cpu": time.thread_time, "wall": time.perf_counter}
 
 
 def build(batches: int) -> tuple[dict, list]:
     wl = W.ptv3_deep(batches)
     step = compile_step(wl.step, eager=True)
-    holder = [wl.state]
+    separate = TrainState.create(copy.deepcopy(wl.model), adamw(
+        one_cycle(W.TOTAL_STEPS, W.MAX_LR), weight_decay=W.WEIGHT_DECAY, fused=False))
 
-    def pimm(batch):
-        holder[0], _ = step(holder[0], batch)
+    def pimm(state):
+        holder = [state]
+
+        def run(batch):
+            holder[0], _ = step(holder[0], batch)
+        return run
 
     ways = {"seed_default": W.seed_trainer(copy.deepcopy(wl.model), foreach=None),
             "seed_foreach": W.seed_trainer(copy.deepcopy(wl.model)),
-            "pimm_eager": pimm}
+            "pimm_eager": pimm(wl.state), "pimm_separate": pimm(separate)}
     return ways, list(wl.batches)
 
 
@@ -78,12 +88,12 @@ def report(per_step: dict) -> str:
         for w in WAYS:
             xs = per_step[(c, w)]
             lines.append(f"  {w:<14}{statistics.median(xs):9.1f} ({min(xs):.1f})")
-        ours = per_step[(c, "pimm_eager")]
-        for base in ("seed_default", "seed_foreach"):
-            theirs = per_step[(c, base)]
+        for way, base in (("pimm_eager", "seed_default"), ("pimm_eager", "seed_foreach"),
+                          ("pimm_separate", "seed_default"), ("pimm_eager", "pimm_separate")):
+            ours, theirs = per_step[(c, way)], per_step[(c, base)]
             paired = statistics.median(a / b for a, b in zip(theirs, ours))
             medians = statistics.median(theirs) / statistics.median(ours)
-            lines.append(f"  pimm_eager speedup over {base}: medians {medians:.3f}, paired {paired:.3f}, "
+            lines.append(f"  {way} speedup over {base}: medians {medians:.3f}, paired {paired:.3f}, "
                          f"fastest {min(theirs) / min(ours):.3f}")
     return "\n".join(lines)
 
