@@ -1,12 +1,13 @@
 """Learning-rate and momentum schedules: pure functions of the optimizer's step count.
 
 A schedule maps a 0-dim int64 ``count`` tensor (the number of updates already applied)
-to a 0-dim float32 tensor: the value the next update uses. That is exactly what a torch
+to a 0-dim float64 tensor: the value the next update uses. That is what a torch
 scheduler's ``get_last_lr()`` holds after ``count`` calls to ``scheduler.step()``.
 
-Values are computed in float64, like torch's schedulers (which compute in Python
-floats), and only the result is rounded to float32, so they match torch within float32
-rounding. Every factory checks its horizon once, on the host; the returned function is
+Values are computed in float64, as torch's schedulers compute in Python floats, and kept
+in float64: the optimizers round them where torch's kernels round the Python float (so a
+float64 model gets torch's numbers too); metrics log them as float32.
+Every factory checks its horizon once, on the host; the returned function is
 plain tensor code that traces under ``torch.compile(fullgraph=True)``. Its numbers (the
 learning rates, the horizon, the phase boundaries) are a :class:`~pimm_fn.hyper.Hyper`,
 listed in the function's ``hypers``: a compiled step takes them as inputs, so a schedule
@@ -68,8 +69,8 @@ def _steps(count: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     return torch.minimum(count.to(torch.float64).clamp(min=0), last)
 
 
-def _f32(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float32)
+def _f64(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float64)
 
 
 def _schedule(fn: Schedule, *hypers: Hyper) -> Schedule:
@@ -82,7 +83,7 @@ def constant(value: float) -> Schedule:
     h = Hyper(value=value)
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
-        return _f32(h.on(count.device)["value"])
+        return _f64(h.on(count.device)["value"])
 
     return _schedule(schedule, h)
 
@@ -147,7 +148,7 @@ def _piecewise(total_steps: int, phases, anneal) -> Schedule:
             start, end, a, b = (n[f"{k}{i}"] for k in _PHASE)
             value = anneal(a, b, (s - start) / (end - start))
             out = value if out is None else torch.where(s <= end, value, out)
-        return _f32(out)
+        return _f64(out)
 
     return _schedule(schedule, h)
 
@@ -224,7 +225,7 @@ def cosine(total_steps: int, base_lr: float, eta_min: float = 0.0) -> Schedule:
         n = h.on(count.device)
         s = _steps(count, n["total"])
         eta_min = n["eta_min"]
-        return _f32(eta_min + (n["base_lr"] - eta_min) * (1 + torch.cos(s * math.pi / n["total"])) / 2)
+        return _f64(eta_min + (n["base_lr"] - eta_min) * (1 + torch.cos(s * math.pi / n["total"])) / 2)
 
     return _schedule(schedule, h)
 
@@ -270,7 +271,7 @@ def multistep(
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
         n = h.on(count.device)
-        return _f32(_step_decay(_steps(count, n["total"]), n, len(steps)))
+        return _f64(_step_decay(_steps(count, n["total"]), n, len(steps)))
 
     return _schedule(schedule, h)
 
@@ -304,7 +305,7 @@ def multistep_with_warmup(
         if warms:
             ramp = 1 - (1 - s / n["warmup_end"]) * (1 - n["warmup_scale"])
             decay = decay * torch.where(s <= n["warmup_end"], ramp, torch.ones_like(ramp))
-        return _f32(n["base_lr"] * decay)
+        return _f64(n["base_lr"] * decay)
 
     return _schedule(schedule, h)
 
@@ -318,7 +319,7 @@ def poly(total_steps: int, base_lr: float, power: float = 0.9) -> Schedule:
     def schedule(count: torch.Tensor) -> torch.Tensor:
         n = h.on(count.device)
         s = _steps(count, n["total"])
-        return _f32(n["base_lr"] * (1 - s / (n["total"] + 1)) ** power)  # an integer + 1: exact
+        return _f64(n["base_lr"] * (1 - s / (n["total"] + 1)) ** power)  # an integer + 1: exact
 
     return _schedule(schedule, h)
 
@@ -331,7 +332,7 @@ def exp(total_steps: int, base_lr: float, gamma: float) -> Schedule:
     def schedule(count: torch.Tensor) -> torch.Tensor:
         n = h.on(count.device)
         s = _steps(count, n["total"])
-        return _f32(n["base_lr"] * n["gamma"] ** (s / n["total"]))
+        return _f64(n["base_lr"] * n["gamma"] ** (s / n["total"]))
 
     return _schedule(schedule, h)
 
@@ -357,6 +358,6 @@ def linear_warmup(
         n = h.on(count.device)
         s = _steps(count, n["warmup"])
         factor = n["start_factor"] + (1.0 - n["start_factor"]) * s / n["warmup"]
-        return _f32(inner(count).to(torch.float64) * factor)
+        return _f64(inner(count).to(torch.float64) * factor)
 
     return _schedule(warmed, h, *hypers_of(inner))

@@ -291,31 +291,33 @@ def test_update_is_pure_and_a_skipped_step_keeps_the_schedule_position():
     assert float(tx.hyperparams(new_state)["lr/block"]) != float(tx.hyperparams(state)["lr/block"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["plain", "amsgrad"])
 @pytest.mark.parametrize("factory, torch_cls", [(adamw, torch.optim.AdamW), (adam, torch.optim.Adam)],
                          ids=["adamw", "adam"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
-def test_eager_apply_gives_torch_bits_fused_or_not(factory, torch_cls, amsgrad, fused):
+def test_eager_apply_gives_torch_bits_fused_or_not(factory, torch_cls, amsgrad, fused, dtype):
     """Eager on the CPU, ``apply`` with ``fused=True`` (the default) gives the params and moments of
     ``torch.optim.Adam[W](fused=True)`` bit for bit, and with ``fused=False`` those of torch's
-    per-tensor default; its inputs are never written. The lr is a float32 number: schedules
-    hold their values in float32, and the fused kernel takes the lr in float64 (with
-    OneCycleLR's float64 lr the params agree to float32 round-off, the moments exactly)."""
-    model = make_model()
+    per-tensor default, under OneCycleLR with its momentum cycle, in float32 and float64; its
+    inputs are never written."""
+    model = make_model().to(dtype)
     params = detached(model)
     ref = [nn.Parameter(p.clone()) for p in params.values()]
     impl = {"fused": True} if fused else {"foreach": False}
-    lr, b1 = 2.0**-7, one_cycle_momentum(STEPS, pct_start=0.3, anneal_strategy="cos")
-    opt = torch_cls(ref, lr=lr, weight_decay=0.05, amsgrad=amsgrad, **impl)
-    tx = factory(lr, b1=b1, weight_decay=0.05, amsgrad=amsgrad, fused=fused)
+    opt = torch_cls(ref, lr=0.01, weight_decay=0.05, amsgrad=amsgrad, **impl)
+    cycle = dict(pct_start=0.3, anneal_strategy="cos")
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=STEPS, **cycle, **one_cycle_kw_for_b1())
+    tx = factory(one_cycle(STEPS, 0.01, **cycle), b1=one_cycle_momentum(STEPS, **cycle), weight_decay=0.05,
+                 amsgrad=amsgrad, fused=fused)
     state = tx.init(params)
     g = torch.Generator().manual_seed(4)
     for _ in range(8):
-        grads = {n: torch.randn(p.shape, generator=g) for n, p in params.items()}
-        opt.param_groups[0]["betas"] = (float(b1(state.count)), 0.999)  # OneCycleLR's momentum cycle
+        grads = {n: torch.randn(p.shape, generator=g).to(dtype) for n, p in params.items()}
         for p, grad in zip(ref, grads.values()):
             p.grad = grad.clone()
         opt.step()
+        sched.step()
         before = copy.deepcopy((grads, state, params))
         params, new_state = update_and_apply(tx, grads, state, params)
         torch.testing.assert_close((grads, state), before[:2], rtol=0, atol=0)  # inputs untouched
@@ -329,25 +331,9 @@ def test_eager_apply_gives_torch_bits_fused_or_not(factory, torch_cls, amsgrad, 
             assert torch.equal(state.nu_max[name], torch_state["max_exp_avg_sq"]), name
 
 
-def test_fused_apply_follows_torch_fused_over_one_cycle():
-    """With OneCycleLR (float64 lrs) against the schedule's float32 ones: round-off apart."""
-    model = make_model()
-    params = detached(model)
-    ref = [nn.Parameter(p.clone()) for p in params.values()]
-    opt = torch.optim.AdamW(ref, lr=0.01, weight_decay=0.05, fused=True)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=STEPS, cycle_momentum=False)
-    tx = adamw(one_cycle(STEPS, 0.01), weight_decay=0.05)
-    state = tx.init(params)
-    for x, y in BATCHES[:50]:
-        opt.zero_grad()
-        grads = grad_fn(model)(params, x, y)
-        for p, grad in zip(ref, grads.values()):
-            p.grad = grad.clone()
-        opt.step()
-        sched.step()
-        params, state = update_and_apply(tx, grads, state, params)
-    for p, got in zip(ref, params.values()):
-        torch.testing.assert_close(got, p.detach(), rtol=1e-5, atol=1e-6)
+def one_cycle_kw_for_b1():
+    """OneCycleLR's momentum cycle at the defaults ``one_cycle_momentum`` shares."""
+    return dict(cycle_momentum=True, base_momentum=0.85, max_momentum=0.95, div_factor=25.0, final_div_factor=1e4)
 
 
 def test_fused_and_separate_kernels_differ_only_in_round_off():
