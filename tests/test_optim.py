@@ -306,10 +306,10 @@ def test_eager_apply_gives_torch_bits_fused_or_not(factory, torch_cls, amsgrad, 
     ref = [nn.Parameter(p.clone()) for p in params.values()]
     impl = {"fused": True} if fused else {"foreach": False}
     opt = torch_cls(ref, lr=0.01, weight_decay=0.05, amsgrad=amsgrad, **impl)
-    cycle = dict(pct_start=0.3, anneal_strategy="cos")
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=STEPS, **cycle, **one_cycle_kw_for_b1())
-    tx = factory(one_cycle(STEPS, 0.01, **cycle), b1=one_cycle_momentum(STEPS, **cycle), weight_decay=0.05,
-                 amsgrad=amsgrad, fused=fused)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=STEPS, **one_cycle_kw(),
+                                                cycle_momentum=True, base_momentum=0.85, max_momentum=0.95)
+    b1 = one_cycle_momentum(STEPS, 0.85, 0.95, pct_start=0.3, anneal_strategy="cos")
+    tx = factory(one_cycle(STEPS, 0.01, **one_cycle_kw()), b1=b1, weight_decay=0.05, amsgrad=amsgrad, fused=fused)
     state = tx.init(params)
     g = torch.Generator().manual_seed(4)
     for _ in range(8):
@@ -329,11 +329,6 @@ def test_eager_apply_gives_torch_bits_fused_or_not(factory, torch_cls, amsgrad, 
         assert torch.equal(state.nu[name], torch_state["exp_avg_sq"]), name
         if amsgrad:
             assert torch.equal(state.nu_max[name], torch_state["max_exp_avg_sq"]), name
-
-
-def one_cycle_kw_for_b1():
-    """OneCycleLR's momentum cycle at the defaults ``one_cycle_momentum`` shares."""
-    return dict(cycle_momentum=True, base_momentum=0.85, max_momentum=0.95, div_factor=25.0, final_div_factor=1e4)
 
 
 def test_fused_and_separate_kernels_differ_only_in_round_off():

@@ -264,7 +264,8 @@ def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled, fused) -> GradientT
         bias_c2 = 1.0 - b2**t
         neg_step_size = -(lr_t / bias_c1)
         bias_c2_sqrt = torch.pow(bias_c2, 0.5)
-        keep = 1.0 - lr_t * _value64(decay, count) if decays else None
+        decay_t = _value64(decay, count) if decays else None
+        keep = 1.0 - lr_t * decay_t if decays else None
         bias_c2_sqrt, neg_step_size, keep = map(_per_dtype, (bias_c2_sqrt, neg_step_size, keep))
         # Eager on the CPU the step size is read as a number for addcdiv (its scalar must
         # be one), which in float32/64 rounds each op as the separate ops do.
@@ -275,7 +276,7 @@ def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled, fused) -> GradientT
             kernels make eight; the numbers of ``torch.optim.Adam[W](fused=True)``."""
             new_p, mu, nu = ([x.clone() for x in xs] for xs in (p, m, v))
             nu_max = [x.clone() for x in v_max] if amsgrad else []
-            wd = float(_value64(decay, count)) if decays else l2
+            wd = float(decay_t) if decays else l2
             F.fused_adam_(new_p, g, mu, nu, nu_max, float(t), lr=float(lr_t), beta1=float(b1_t), beta2=b2,
                           weight_decay=wd, eps=eps, amsgrad=amsgrad, decoupled=decoupled)
             return [new_p, mu, nu, nu_max if amsgrad else None]
