@@ -48,11 +48,10 @@ WAYS = ("seed_default", "seed_foreach", "pimm_eager", "pimm_separate")
 CLOCKS = {"thread_cpu": time.thread_time, "wall": time.perf_counter}
 
 
-def build(batches: int) -> tuple[dict, list]:
+def build(batches: int, names=WAYS) -> tuple[dict, list]:
+    """The ways in ``names`` (in WAYS' order), each a ``run(batch)``, and the batches."""
     wl = W.ptv3_deep(batches)
     step = compile_step(wl.step, eager=True)
-    separate = TrainState.create(copy.deepcopy(wl.model), adamw(
-        one_cycle(W.TOTAL_STEPS, W.MAX_LR), weight_decay=W.WEIGHT_DECAY, fused=False))
 
     def pimm(state):
         holder = [state]
@@ -61,10 +60,14 @@ def build(batches: int) -> tuple[dict, list]:
             holder[0], _ = step(holder[0], batch)
         return run
 
-    ways = {"seed_default": W.seed_trainer(copy.deepcopy(wl.model), foreach=None),
-            "seed_foreach": W.seed_trainer(copy.deepcopy(wl.model)),
-            "pimm_eager": pimm(wl.state), "pimm_separate": pimm(separate)}
-    return ways, list(wl.batches)
+    makers = {
+        "seed_default": lambda: W.seed_trainer(copy.deepcopy(wl.model), foreach=None),
+        "seed_foreach": lambda: W.seed_trainer(copy.deepcopy(wl.model)),
+        "pimm_eager": lambda: pimm(wl.state),
+        "pimm_separate": lambda: pimm(TrainState.create(copy.deepcopy(wl.model), adamw(
+            one_cycle(W.TOTAL_STEPS, W.MAX_LR), weight_decay=W.WEIGHT_DECAY, fused=False))),
+    }
+    return {w: makers[w]() for w in WAYS if w in names}, list(wl.batches)
 
 
 def measure(ways: dict, batches: list, rounds: int) -> dict:
@@ -119,8 +122,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     info = machine_info()
     load = os.getloadavg()
-    ways, batches = build(args.batches)
-    ways = {w: ways[w] for w in WAYS if w in ways_run}
+    ways, batches = build(args.batches, ways_run)
     per_step = measure(ways, batches, args.rounds)
     print(f"{info['cpu']}, torch {info['torch']}, {args.threads} thread(s), {args.rounds} rounds of "
           f"{len(batches)} batches; load average before {load}, after {os.getloadavg()}")
