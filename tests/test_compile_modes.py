@@ -42,8 +42,10 @@ def test_reduce_overhead_on_cpu_warns_and_compiles_as_the_default_mode():
     eager = supervised()
     step = compile_step(eager, mode="reduce-overhead")
     ref = comp = state
-    with pytest.warns(UserWarning, match="on cpu, where no CUDA graphs are recorded"):
+    with pytest.warns(UserWarning, match="on cpu, where no CUDA graphs are recorded") as caught:
         comp, _ = step(comp, batches[0])
+    # attributed to the caller's line, however deep the compiling call ran
+    assert [w.filename for w in caught if "no CUDA graphs" in str(w.message)] == [__file__]
     ref, _ = eager(ref, batches[0])
     # Alone in a process the first call compiles once; after other steps over the same core
     # code, dynamo's automatic-dynamic history can add a second graph inside that first call

@@ -143,8 +143,9 @@ def test_a_damaged_file_is_compiled_again_and_replaced(saved, tmp_path):
     target = broken / first.cache_path.split("/")[-1]
     target.write_bytes(b"not a compiled step")
     step = compile_step(steps.supervised(clip_grad=1.0), cache=broken)
-    with pytest.warns(RuntimeWarning, match="could not be loaded"):
+    with pytest.warns(RuntimeWarning, match="could not be loaded") as caught:
         step(_state(), _batch())
+    assert [w.filename for w in caught if "could not be loaded" in str(w.message)] == [__file__]
     assert not step.loaded_from_cache and step.compile_count == 1
     assert target.read_bytes() != b"not a compiled step"
     with pytest.raises(TypeError, match="cache"):

@@ -11,6 +11,8 @@
 - :mod:`.hoist`: per-step scalars stored once in compiled code;
 - :mod:`.isa_memo`: an opt-in memo of inductor's CPU probes.
 
+Compiling calls run on a frame stack of their own (:mod:`pimm_fn.frame_room`).
+
 torch internals are reached only through :mod:`pimm_fn.torch_compat`.
 """
 from .boundary import Step, as_step, seeded_rng

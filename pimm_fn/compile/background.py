@@ -9,6 +9,7 @@ import time
 from typing import Callable
 
 from .. import torch_compat
+from ..frame_room import call_with_frame_room
 
 __all__ = ["BackgroundCompile"]
 
@@ -73,7 +74,7 @@ class BackgroundCompile:
         graphs, start = torch_compat.compiled_graph_count(), time.perf_counter()
         try:
             with torch_compat.generator_untouched_by_this_thread(), _short_gil_slices():
-                value = self._fn()
+                value = call_with_frame_room(self._fn)  # see frame_room
             self._future.set_result((value, torch_compat.compiled_graph_count() - graphs,
                                      time.perf_counter() - start))
         except BaseException as err:

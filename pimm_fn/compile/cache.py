@@ -44,6 +44,7 @@ import torch
 from .. import torch_compat
 from ..hyper import Hyper
 from ..tree import NAMESPACE, tree_leaves
+from ..user_warning import warn
 
 _MAX_DEPTH = 40
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -436,8 +437,6 @@ def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.
     quiet: the cache is on by default rather than asked for; a step that cannot be saved
         then compiles as without a cache, silently.
     """
-    import warnings
-
     inner = state.replace(rng=None, cursor=None)
     first_shapes = shapes_of(batch)
     path = None
@@ -452,8 +451,8 @@ def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.
             os.utime(path)  # recently used: pruning removes the least recently used first
             return Precompiled(fn, path, True, first_shapes)
         except Exception as err:  # a damaged or foreign file: compile instead
-            warnings.warn(f"the cached step {path} could not be loaded ({type(err).__name__}: {err}); "
-                          "compiling it again and replacing the file", RuntimeWarning, stacklevel=4)
+            warn(f"the cached step {path} could not be loaded ({type(err).__name__}: {err}); "
+                 "compiling it again and replacing the file", RuntimeWarning)
     # dynamic=None would let dynamo's automatic dynamic shapes follow what this process
     # compiled before (another step over the same core code): the saved artifact would
     # then be static or dynamic by the process's history. It is static (its key holds the
@@ -481,8 +480,8 @@ def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.
                 # (a model reading a point count: compile_step retries with guarded sizes, and says so)
                 return Precompiled(None, path, False, first_shapes)
             first_line = str(err).splitlines()[0] if str(err) else ""
-            warnings.warn(f"the step cannot be saved to the cache ({type(err).__name__}: {first_line}); it "
-                          "compiles as usual, and the next process compiles it again", RuntimeWarning, stacklevel=4)
+            warn(f"the step cannot be saved to the cache ({type(err).__name__}: {first_line}); it "
+                 "compiles as usual, and the next process compiles it again", RuntimeWarning)
             return Precompiled(None, path, False, first_shapes)
     if path is None:
         return Precompiled(fn, path, False, first_shapes)
@@ -492,6 +491,6 @@ def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.
     except Exception as err:  # a read-only or full disk: run without saving
         if quiet:
             return Precompiled(fn, path, False, first_shapes)
-        warnings.warn(f"could not save the compiled step to {path} ({type(err).__name__}: {err}); "
-                      "the next process compiles it again", RuntimeWarning, stacklevel=4)
+        warn(f"could not save the compiled step to {path} ({type(err).__name__}: {err}); "
+             "the next process compiles it again", RuntimeWarning)
     return Precompiled(fn, path, False, first_shapes)

@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from .. import torch_compat
+from ..frame_room import call_with_frame_room
 from ..state import TrainState
 from .boundary import as_step, prepare_batch, rank_seed, seeded_rng
 
@@ -213,7 +214,7 @@ def explain_step(step_fn, state: TrainState, batch) -> StepExplanation:
     try:
         with seeded_rng(rank_seed(state.rng.step_seed())), torch_compat.step_tracing_config(), \
                 torch_compat.dynamo_config().patch(**unlimited), collect_breaks() as breaks:
-            torch.compile(step.core, backend=keep_graph)(inner, batch)
+            call_with_frame_room(torch.compile(step.core, backend=keep_graph), inner, batch)  # see frame_room
     finally:
         torch_compat.reset_dynamo()
     return StepExplanation(graphs=graphs, breaks=breaks)

@@ -17,14 +17,15 @@ with dynamo's counter and their reasons read from its compilation records.
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Optional
 
 import torch
 
 from .. import torch_compat
+from ..frame_room import call_with_frame_room
 from ..state import TrainState, structure_only
 from ..tree import tree_leaves
+from ..user_warning import warn
 from . import cache as step_cache
 from . import isa_memo
 from .background import BackgroundCompile
@@ -151,21 +152,11 @@ class CompiledStep:
             _ensure_compile_hooks()
         _CALLS += 1
         try:
-            if first:
-                self._before_first_call(state, batch)
-            if self.background:
-                eager = not self._compiled_now(state)
-                if eager or first:
-                    graphs = None  # what compiles meanwhile is the background's, counted there
-                if eager:
-                    new_state, metrics = self._run_eager_beside_compile(state, batch)
-                else:
-                    new_state, metrics = self._run(state, batch)
-                self._last_step, self._last_index = new_state.step, self._last_index + 1
-                if self._pending is not None:
-                    self._pending.start()  # after the first call: it ran with the CPU to itself
+            if first and not self.eager:
+                # The call that compiles: see frame_room for why it gets a frame stack of its own.
+                new_state, metrics, graphs = call_with_frame_room(self._dispatch, state, batch, first, graphs)
             else:
-                new_state, metrics = self._run(state, batch)
+                new_state, metrics, graphs = self._dispatch(state, batch, first, graphs)
         finally:
             _CALLS -= 1
         compiled = 0 if graphs is None else torch_compat.compiled_graph_count() - graphs
@@ -178,6 +169,23 @@ class CompiledStep:
             check_finite(self.step, state, metrics)
         return new_state, metrics
 
+    def _dispatch(self, state: TrainState, batch, first: bool, graphs):
+        if first:
+            self._before_first_call(state, batch)
+        if not self.background:
+            return (*self._run(state, batch), graphs)
+        eager = not self._compiled_now(state)
+        if eager or first:
+            graphs = None  # what compiles meanwhile is the background's, counted there
+        if eager:
+            new_state, metrics = self._run_eager_beside_compile(state, batch)
+        else:
+            new_state, metrics = self._run(state, batch)
+        self._last_step, self._last_index = new_state.step, self._last_index + 1
+        if self._pending is not None:
+            self._pending.start()  # after the first call: it ran with the CPU to itself
+        return new_state, metrics, graphs
+
     def _before_first_call(self, state: TrainState, batch):
         validate_first_batch(batch, self.step.name, state)
         if self.step.check_batch is not None:
@@ -185,10 +193,10 @@ class CompiledStep:
         if self.eager:
             return
         if self._cudagraphs and isinstance(state, TrainState) and state.params and state.device.type != "cuda":
-            warnings.warn(
+            warn(
                 f"compile_step(mode=...) with CUDA graphs: the state of step {self.step.name!r} is on "
                 f"{state.device}, where no CUDA graphs are recorded; the step compiles as in the default "
-                "mode (pass mode=None to silence this)", UserWarning, stacklevel=4)
+                "mode (pass mode=None to silence this)", UserWarning)
             self._cudagraphs = False
         if self._dynamic is None:
             # Point counts symbolic from the first call. Regions trace them as guarded sizes:
@@ -268,9 +276,9 @@ class CompiledStep:
             found, compiled, seconds = pending.result()  # waits where the switch is pinned
         except Exception as err:
             # Compiled again in the foreground by this call, which raises what it raises.
-            warnings.warn(f"step {self.step.name!r}: the background compile failed ({type(err).__name__}: "
-                          f"{str(err).splitlines()[0][:200] if str(err) else ''}); compiling in the foreground",
-                          RuntimeWarning, stacklevel=5)
+            warn(f"step {self.step.name!r}: the background compile failed ({type(err).__name__}: "
+                 f"{str(err).splitlines()[0][:200] if str(err) else ''}); compiling in the foreground",
+                 RuntimeWarning)
             return
         self.compile_count += compiled
         self._use_precompiled(found, seconds if compiled or found.loaded else None)
@@ -291,10 +299,10 @@ class CompiledStep:
         if first and self._regions is not None:
             self.graph_breaks = breaks  # a piece's recompiles meet its breaks again: counted once
             if breaks:
-                warnings.warn(
+                warn(
                     f"step {self.step.name!r} (fullgraph=False): its model was compiled around {breaks} graph "
                     f"break(s) in {compiled} graphs; explain_step(step, state, batch) lists them with "
-                    "file:line and a fix for each", RuntimeWarning, stacklevel=4)
+                    "file:line and a fix for each", RuntimeWarning)
 
     def _run(self, state: TrainState, batch):
         if self._regions is not None:
@@ -346,11 +354,11 @@ class CompiledStep:
     def _retry_with_guarded_sizes(self, err: Exception, state: TrainState, batch):
         # The model reads a point count (a branch on a size, a host check): trace the point
         # dims as guarded symbols instead; crossing a guard then recompiles.
-        warnings.warn(
+        warn(
             f"step {self.step.name!r}: the model needs the value of a point count while tracing "
             f"({str(err).splitlines()[0][:200]}); the point dims are traced with guards instead, so "
             "batches whose sizes cross a guard compile again (see docs/models.md, 'Compiling point models')",
-            RuntimeWarning, stacklevel=5)
+            RuntimeWarning)
         self._points_marked = False
         mark_point_batch_dynamic(batch, unbacked=False)
         return self._run_whole(self._core, state, batch)
