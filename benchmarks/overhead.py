@@ -14,7 +14,10 @@
    ``(t(4E) - t(E)) / 3E``: what a run pays once (opening the event file and the bars,
    waiting for the last checkpoint write) cancels, what an epoch pays (its checkpoint, one
    every 200 steps by default: far more often than a real run saves) is spread over its
-   steps. The overhead is that slope minus the bare loop's slope of the same round; its
+   steps. The bare loop runs on a frame stack of its own, as fit's epochs do
+   (``pimm_fn.frame_room``): at some stack depths a step maps memory on every call, and
+   the two would differ by where each was called from. The overhead is that slope minus
+   the bare loop's slope of the same round; its
    median over the rounds is printed with its quartiles, beside the slope of each way's
    fastest runs at each length (what a run costs when nothing else on the machine got in
    its way: the figure to compare on a shared machine). What a run pays once is
@@ -50,6 +53,7 @@ from pimm_fn import TrainState, compile_step, optim, schedules, steps
 from pimm_fn.callbacks import Checkpoint, ProgressBar, TensorBoard
 from pimm_fn.compile import Step
 from pimm_fn.fit import fit
+from pimm_fn.frame_room import call_with_frame_room
 from pimm_fn.models import MLPClassifier
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -175,12 +179,16 @@ def fit_overhead(step, state0, pool, *, steps_per_epoch: int, epochs: int, round
            for w, c in ways.items() if c is not None}
     states = dict.fromkeys(ways, state0)
 
+    def bare_loop(state, k):
+        for _ in range(k):
+            for b in loader:
+                state, _ = step(state, b)
+        return state
+
     def run(way, k):
         state = states[way]
         if way == "bare_loop":
-            for _ in range(k):
-                for b in loader:
-                    state, _ = step(state, b)
+            state = call_with_frame_room(bare_loop, state, k)  # where fit runs its steps
         else:
             state = fit(state, loader, step, epochs=state.cursor.epoch + k, callbacks=cbs[way]).state
         states[way] = state

@@ -378,9 +378,10 @@ def test_step_blocks_carry_every_step_once_before_epoch_end_and_the_end(data):
 def test_step_blocks_reach_writers_before_a_save_a_stop_and_an_interrupt(data, tmp_path):
     # a mid-epoch save request: the block comes first, so writers flush what the checkpoint covers
     blocks = _Blocks()
-    with pytest.warns(UserWarning, match="no callback saved a checkpoint"):
+    with pytest.warns(UserWarning, match="no callback saved a checkpoint") as caught:
         fit(make_state(), PermLoader(*data), step_fn, epochs=1, block_seconds=3600,
             callbacks=[blocks, on(ev.StepEnd, once=4)(lambda e, s: ev.SaveNow("test"))])
+    assert [w.filename for w in caught if "SaveNow" in str(w.message)] == [__file__]  # the fit(...) line
     log = blocks.log
     assert log.index(("SaveRequested",)) == log.index(("block", (1, 2, 3, 4), 0, 32, False, 4)) + 1
     # a mid-epoch stop under fit_epoch (no TrainEnd follows) still delivers its steps
@@ -417,3 +418,22 @@ def test_history_state_dict_round_trips_compact_and_mixed(four_epochs):
     again = History()
     again.load_state_dict(mixed.state_dict())
     assert again.steps == [1, 2] and again.values("acc").tolist() == [0.5]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11) or sys.implementation.name != "cpython",
+                    reason="frames live on a chunked stack from CPython 3.11")
+def test_steps_run_on_a_frame_stack_of_their_own(data):
+    # At some stack depths a call maps a frame-stack chunk every time (tests/test_frame_room.py);
+    # fit's steps never sit at such a depth, whatever depth fit is called from.
+    from test_frame_room import _worst_faults_per_call
+
+    worst = []
+
+    def probing_step(state, batch):
+        worst.append(_worst_faults_per_call())
+        return step_fn(state, batch)
+
+    assert _worst_faults_per_call() >= 0.9
+    fit(make_state(), PermLoader(*data), probing_step, epochs=1)
+    fit_epoch(make_state(), PermLoader(*data), probing_step)
+    assert len(worst) == 12 and max(worst) <= 0.05, worst

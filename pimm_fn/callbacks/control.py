@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Optional
 
 import torch
 
 from .. import events as ev
+from ..user_warning import warn
 from .base import Callback
 
 
@@ -45,7 +45,7 @@ class StopOnNonFinite(Callback):
                 )
                 if self.raise_error:
                     raise FloatingPointError(self.message)
-                warnings.warn(self.message, RuntimeWarning, stacklevel=2)
+                warn(self.message, RuntimeWarning)
                 return ev.Stop(self.message)
         return None
 

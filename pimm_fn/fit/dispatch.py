@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import warnings
 from typing import Callable, Optional
 
 import attrs
@@ -13,6 +12,7 @@ import torch
 from .. import events as ev
 from .. import torch_compat
 from ..callbacks.base import callback_name, handles
+from ..user_warning import warn
 
 __all__ = ["Dispatcher", "StateMutationError"]
 
@@ -198,11 +198,8 @@ class Dispatcher:
             self._check_unchanged(state, snap, self.callbacks, req)
         if not self._warned_unsaved and not any(getattr(cb, "saves_checkpoints", False) for cb in self.callbacks):
             self._warned_unsaved = True
-            warnings.warn(
-                "a callback returned SaveNow() but no callback saved a checkpoint "
-                "(add pimm_fn.callbacks.Checkpoint to the callbacks)",
-                stacklevel=3,
-            )
+            warn("a callback returned SaveNow() but no callback saved a checkpoint "
+                 "(add pimm_fn.callbacks.Checkpoint to the callbacks)")
 
     def terminal(self, event, state):
         """Deliver a terminal event; every callback gets it even if an earlier one raises."""

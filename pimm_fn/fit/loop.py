@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from .. import events as ev
+from ..frame_room import call_with_frame_room
 from .dispatch import Dispatcher
 from .history import History
 from .source import _Source
@@ -83,6 +84,11 @@ class _Run(Dispatcher):
         )
 
     # ----- folds
+    def run_epochs(self, epochs: int) -> None:
+        """Epochs until the horizon or a stop."""
+        while self.stop_reason is None and self.state.cursor.epoch < epochs:
+            self.run_epoch()
+
     def run_epoch(self) -> bool:
         """Fold over the current epoch's remaining batches. Returns True when it completed."""
         src = self.source
@@ -287,8 +293,9 @@ def fit(
                 ),
                 state,
             )
-            while run.stop_reason is None and run.state.cursor.epoch < epochs:
-                run.run_epoch()
+            # The steps on a frame stack of their own: called at an unlucky stack depth, a
+            # step maps and unmaps memory on every call (pimm_fn.frame_room).
+            call_with_frame_room(run.run_epochs, epochs)
         except BaseException as err:  # every exit path gets its terminal event
             run._fail_or_interrupt(err)
             if isinstance(err, KeyboardInterrupt):
@@ -329,7 +336,7 @@ def fit_epoch(
     run.state = state
     run.step = int(state.step)
     try:
-        done = run.run_epoch()
+        done = call_with_frame_room(run.run_epoch)  # as in fit
         if run.rows:  # stopped mid-epoch: no EpochEnd delivered the last steps
             run.flush_block(run.state)
     except BaseException as err:
