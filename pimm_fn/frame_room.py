@@ -20,7 +20,10 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-__all__ = ["call_with_frame_room"]
+__all__ = ["CHUNKED_FRAME_STACK", "call_with_frame_room"]
+
+# Whether this interpreter keeps frames on a chunked stack (elsewhere the room is not needed).
+CHUNKED_FRAME_STACK = sys.version_info >= (3, 11) and sys.implementation.name == "cpython"
 
 _ROOM_SLOTS = 1 << 17  # 8-byte slots: 1 MiB reserved, ~1 MiB left for the callees' frames
 
@@ -29,7 +32,7 @@ def _call(fn, args, kwargs):
     return fn(*args, **kwargs)
 
 
-if sys.version_info >= (3, 11) and sys.implementation.name == "cpython":
+if CHUNKED_FRAME_STACK:
     # An unused value stack: only the frame's size grows, its pages are never touched.
     _call.__code__ = _call.__code__.replace(co_stacksize=_call.__code__.co_stacksize + _ROOM_SLOTS)
 

@@ -7,6 +7,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _fit_helpers import PermLoader, Recorder, dataset, leaves_equal, make_state, step_fn
+from test_frame_room import _worst_faults_per_call, chunked_stack_only
 
 from pimm_fn import events as ev
 from pimm_fn.callbacks import Callback, on
@@ -420,12 +421,10 @@ def test_history_state_dict_round_trips_compact_and_mixed(four_epochs):
     assert again.steps == [1, 2] and again.values("acc").tolist() == [0.5]
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11) or sys.implementation.name != "cpython",
-                    reason="frames live on a chunked stack from CPython 3.11")
+@chunked_stack_only
 def test_steps_run_on_a_frame_stack_of_their_own(data):
     # At some stack depths a call maps a frame-stack chunk every time (tests/test_frame_room.py);
     # fit's steps never sit at such a depth, whatever depth fit is called from.
-    from test_frame_room import _worst_faults_per_call
 
     worst = []
 

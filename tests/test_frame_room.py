@@ -1,11 +1,10 @@
 """call_with_frame_room: a call that straddles a frame-stack chunk's end stops mapping a
 chunk per call inside it (CPython 3.11+; pimm_fn/frame_room.py says why)."""
 import resource
-import sys
 
 import pytest
 
-from pimm_fn.frame_room import call_with_frame_room
+from pimm_fn.frame_room import CHUNKED_FRAME_STACK, call_with_frame_room
 
 CALLS = 200
 
@@ -33,8 +32,11 @@ def _worst_faults_per_call():
     return max(_descend(depth) for depth in range(400)) / CALLS
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11) or sys.implementation.name != "cpython",
-                    reason="frames live on a chunked stack from CPython 3.11")
+chunked_stack_only = pytest.mark.skipif(not CHUNKED_FRAME_STACK,
+                                        reason="frames live on a chunked stack from CPython 3.11")
+
+
+@chunked_stack_only
 def test_a_call_straddling_a_chunk_end_maps_no_chunk_inside_the_room():
     assert _worst_faults_per_call() >= 0.9  # the pathology this module exists for
     assert call_with_frame_room(_worst_faults_per_call) <= 0.05
