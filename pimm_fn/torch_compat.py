@@ -17,8 +17,8 @@ import torch
 import torch.fx.experimental._config as _shape_config
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, guard_or_true
 
-__all__ = ["all_gather", "all_reduce", "clear_unbacked", "compilation_reasons", "compiled_graph_count",
-           "cpu_vec_isa_class", "dynamo_compile_hooks", "dynamo_config", "dynamo_counters",
+__all__ = ["all_gather", "all_reduce", "backendless_mesh", "clear_unbacked", "compilation_reasons",
+           "compiled_graph_count", "cpu_vec_isa_class", "dynamo_compile_hooks", "dynamo_config", "dynamo_counters",
            "generator_untouched_by_this_thread", "graph_break_count", "graph_break_records", "guard_or_true",
            "inductor_config", "inductor_mode_options", "is_compiled_module", "is_data_dependent_error",
            "is_dynamo_unsupported", "is_marked_dynamic", "mark_backed", "mark_dynamic", "mark_unbacked",
@@ -294,6 +294,21 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
     if not torch.compiler.is_compiling() and isinstance(t, _funcol().AsyncCollectiveTensor):
         return t.wait()
     return t
+
+
+def backendless_mesh(device_type: str, world_size: int, rank: int):
+    """A 1-D ``DeviceMesh`` of ``world_size`` ranks with no process group behind it: DTensors
+    on it can be built, read and traced, but no collective can run over it.
+
+    ``_dim_group_names`` is set empty, as torch's own meshes made with ``_init_backend=False``
+    set it: dynamo reads it when it traces a DTensor, and a mesh without it fails to trace.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh(device_type, torch.arange(world_size), _init_backend=False, _rank=rank)
+    if not hasattr(mesh, "_dim_group_names"):
+        mesh._dim_group_names = []
+    return mesh
 
 
 def profiler_enabled() -> bool:

@@ -89,6 +89,23 @@ def test_world_one_sharded_equals_supervised_bitwise(loss_scale):
     assert set(m) >= {"loss", "grad_norm", "skipped", "samples"}
 
 
+def test_world_one_sharded_step_compiles_whole():
+    # One process, no process group: the mesh has no backend, and dynamo still has to trace
+    # the DTensor leaves (it failed on the mesh before; docs/distributed.md's example).
+    from pimm_fn.compile import compile_step
+
+    eager, compiled = S.shard(_state()), S.shard(_state())
+    step, fast = S.sharded(clip_grad=0.5), compile_step(S.sharded(clip_grad=0.5), cache=False)
+    for b in list(C.loader(C.dataset(24), 8, 0, 1).iter_epoch(0)):
+        eager, m_eager = step(eager, b)
+        compiled, m = fast(compiled, b)
+        torch.testing.assert_close(m["loss"], m_eager["loss"])
+    assert fast.compile_count == 1
+    assert all(isinstance(v, DTensor) for v in compiled.params.values())
+    for k, v in compiled.params.items():
+        torch.testing.assert_close(v.to_local(), eager.params[k].to_local())
+
+
 def test_mismatched_states_name_cause_and_fix(tmp_path):
     full = _state()
     with pytest.raises(S.ShardingError, match=r"not sharded; pass sharding.shard\(state\)"):

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import distributed as D
 from ..state import TrainState
-from ..torch_compat import uncompiled_module
+from ..torch_compat import backendless_mesh, uncompiled_module
 from ..tree import NAMESPACE
 
 __all__ = ["ShardingError", "mesh_for", "local_rows", "shard", "unshard", "is_sharded", "state_bytes",
@@ -44,7 +44,7 @@ def mesh_for(ctx: D.DistContext) -> DeviceMesh:
         if live:
             mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         else:
-            mesh = DeviceMesh(ctx.device.type, torch.arange(ctx.world_size), _init_backend=False, _rank=ctx.rank)
+            mesh = backendless_mesh(ctx.device.type, ctx.world_size, ctx.rank)
         _MESHES[key] = mesh
     return mesh
 
