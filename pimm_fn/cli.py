@@ -303,7 +303,12 @@ def _command(args) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command; an error prints ``pimm-fn: <cause>; <fix>`` on stderr and returns 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    if argv[:1] == ["bench"]:
+        # bench parses its own arguments (as `python -m pimm_fn.bench`), its --help included:
+        # argparse hands a sub-command's REMAINDER nothing that starts with a dash.
+        args = argparse.Namespace(command="bench", rest=argv[1:])
+    else:
+        args = _parser().parse_args(argv)
     # The CLI opts in to the memo of inductor's CPU probes (seconds off every compile;
     # pimm_fn.compile.isa_memo); PIMM_FN_ISA_MEMO=0 opts out.
     os.environ.setdefault("PIMM_FN_ISA_MEMO", "1")

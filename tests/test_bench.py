@@ -1,5 +1,7 @@
 """pimm_fn.bench: benchmark_step on a tiny step reports sane, serialisable fields."""
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -195,3 +197,11 @@ def test_run_child_calls_a_scripts_function_in_its_folder_and_names_a_failure(tm
         os.chdir(old)
     assert got["x"] == 3 and got["cwd"] == str(script.parent)
     assert not got["pimm_fn"].startswith(str(caller))
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_pimm_fn_bench_help_is_bench_own(flag):
+    proc = subprocess.run([sys.executable, "-m", "pimm_fn", "bench", flag], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "--steps" in proc.stdout and "--json" in proc.stdout, proc.stdout  # bench's options, not the top level's
