@@ -444,3 +444,25 @@ def test_a_resumed_fit_hands_back_the_whole_runs_history_from_the_checkpoint(dat
     assert [e["loss"] for e in history.epoch_averages()] == [e["loss"] for e in full.epoch_averages()]
     # without a History, resume leaves the history alone: fit returns this call's steps only
     assert len(fit(state, PermLoader(*data), step_fn, epochs=3).history) == 6
+
+
+@pytest.mark.parametrize("where", ["a_file", "a_file/sub"])
+def test_checkpoint_folder_that_cannot_exist_fails_at_the_start(data, tmp_path, where):
+    from pimm_fn.checkpoint import CheckpointError
+
+    (tmp_path / "a_file").write_text("not a folder")
+    rec = Recorder()
+    with pytest.raises(CheckpointError, match="is a file; pass a folder path"):
+        fit(make_state(), PermLoader(*data), step_fn, epochs=1, callbacks=[Checkpoint(tmp_path / where), rec])
+    assert not any(isinstance(e, ev.StepEnd) for e in rec.events)  # before any training
+    assert (tmp_path / "a_file").read_text() == "not a folder"
+
+
+def test_best_metric_without_its_evaluation_warns(data, tmp_path):
+    val = [{"x": data[0][:16], "y": data[1][:16]}]
+    evaluate = Evaluate(_eval_fn, val, metric=M.Accuracy(), every_epochs=1, name="test")
+    with pytest.warns(UserWarning, match=r"no 'val' evaluation ran in this run \(evaluations: 'test'\)") as w:
+        fit(make_state(), PermLoader(*data), step_fn, epochs=1,
+            callbacks=[Checkpoint(tmp_path, best_metric="acc"), evaluate])
+    assert w[0].filename == __file__
+    assert not (tmp_path / "best.ckpt").exists()

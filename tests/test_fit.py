@@ -118,6 +118,23 @@ def test_exhausted_loader_ends_the_epoch_early(data):
     assert int(res.state.step) == 8 and res.state.cursor.epoch == 2
 
 
+def test_a_loader_that_yields_nothing_is_an_error(data):
+    class Spent:  # says it has batches, yields none (a generator spent by an earlier epoch)
+        def __len__(self):
+            return 4
+
+        def __iter__(self):
+            return iter(())
+
+    with pytest.raises(ValueError, match="yielded no batch for epoch 0 .*4 batches an epoch"):
+        fit(make_state(), Spent(), step_fn, epochs=2)
+    first = fit(make_state(), PermLoader(*data, limit=4), step_fn, epochs=1).state
+    # Resumed at a position the (now shorter) loader never reaches.
+    at = first.replace(cursor=first.cursor.replace(epoch=1, position=3))
+    with pytest.raises(ValueError, match="after skipping to position 3"):
+        fit(at, PermLoader(*data, limit=2), step_fn, epochs=2, iters_per_epoch=4)
+
+
 def test_plain_iterables_and_iters_per_epoch(data):
     x, y = data
     batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 48, 8)]

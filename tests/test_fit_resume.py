@@ -200,6 +200,14 @@ def test_resume_missing_path(tmp_path):
     assert restore_latest(tmp_path / "fresh_run", like) is None
 
 
+def test_resume_a_missing_file_is_an_error_and_latest_is_the_folder(saved):
+    # A mistyped checkpoint file must not quietly start the run over from scratch.
+    with pytest.raises(FileNotFoundError, match=r"step_9\.ckpt does not exist(.|\n)*step_2\.ckpt"):
+        resume(saved / "step_9.ckpt", make_state())
+    # The folder's pointer file resumes what it names.
+    assert int(resume(saved / "latest", make_state()).step) == int(resume(saved, make_state()).step) == 2
+
+
 def test_resume_truncated_checkpoint(saved, tmp_path):
     import shutil
 

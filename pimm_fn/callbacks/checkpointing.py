@@ -19,6 +19,7 @@ import torch
 from .. import checkpoint as ckpt
 from .. import events as ev
 from ..tree import tree_leaves
+from ..user_warning import warn
 from .base import Callback, callback_name, due
 
 
@@ -83,6 +84,7 @@ class Checkpoint(Callback):
         self.last_path: Optional[Path] = None
         self._loader = self._step_fn = None
         self._callbacks: Sequence = ()
+        self._evaluations: set = set()  # the EvalEnd names this run saw
         self.background = background
         self._writer: Optional[ThreadPoolExecutor] = None
         self._pending: collections.deque = collections.deque()  # (future, step, best), oldest first
@@ -162,8 +164,11 @@ class Checkpoint(Callback):
         return event_type is not ev.StepEnd or self.every_steps is not None
 
     def on_train_start(self, event, state):
+        # A folder that cannot hold checkpoints fails the run now, not at its last save.
+        self.dir.make()
         self._loader, self._callbacks, self._history = event.loader, event.callbacks, event.history
         self._step_fn = event.step_fn
+        self._evaluations = set()
 
     def on_step_end(self, event, state):
         done = self._finished(wait=False) if self._pending else []
@@ -186,6 +191,7 @@ class Checkpoint(Callback):
 
     def on_eval_end(self, event, state):
         done = self._finished(wait=False) if self._pending else []
+        self._evaluations.add(event.name)
         if self.best_metric is None or event.name != self.eval_name:
             return done or None
         if self.best_metric not in event.metrics:
@@ -209,6 +215,12 @@ class Checkpoint(Callback):
         return out + self._finished(wait=True) or None
 
     def on_train_end(self, event, state):
+        if self.best_metric is not None and self.best is None and self.eval_name not in self._evaluations:
+            seen = ", ".join(repr(n) for n in sorted(self._evaluations)) or "none"
+            warn(f"Checkpoint(best_metric={self.best_metric!r}, eval_name={self.eval_name!r}): no "
+                 f"{self.eval_name!r} evaluation ran in this run (evaluations: {seen}), so no best checkpoint "
+                 f"was kept; add Evaluate(..., name={self.eval_name!r}) or pass the eval_name of yours",
+                 UserWarning)
         if self.save_final:
             return self._final(event, state)
         return self._finished(wait=True) or None
@@ -251,8 +263,9 @@ def resume(path, like, *, loader=None, callbacks: Sequence = (), must_exist: boo
            step=None):
     """The state to (re)start a run from: the latest checkpoint in ``path``, else ``like``.
 
-    path: a checkpoint folder (its latest complete checkpoint is used; none yet -> ``like``,
-        a fresh run) or one checkpoint file.
+    path: a checkpoint folder (its latest complete checkpoint is used; none yet, or no folder
+        yet -> ``like``, a fresh run), its ``latest`` pointer, or one checkpoint file (a
+        ``.ckpt`` path that does not exist is an error naming the folder's checkpoints).
     like: the fresh state (same model and optimizer) that gives the structure.
     loader / callbacks / step: their saved state (``extra["loader"]``, ``extra["callbacks"]``,
         the Checkpoint's best metric, the step index at which a ``compile_step(...,
@@ -264,9 +277,12 @@ def resume(path, like, *, loader=None, callbacks: Sequence = (), must_exist: boo
         whole run's history back. Left empty when the checkpoint has none.
     """
     p = Path(path)
+    if p.name == ckpt.CheckpointDir.LATEST and p.is_file():
+        p = p.parent  # the folder's pointer file: resume from the folder (what it names)
     if p.is_file():
         state, extra = ckpt.restore(p, like)
-    elif p.is_dir() or not must_exist:
+    elif p.is_dir() or not (must_exist or p.suffix == ckpt.SUFFIX):
+        # A folder that does not exist yet is a fresh run's; a missing *file* is a mistake.
         found = restore_latest(p, like)
         if found is None:
             if must_exist:

@@ -52,6 +52,23 @@ class CheckpointDir:
     def __repr__(self) -> str:
         return f"CheckpointDir({str(self.root)!r}, keep_last={self.keep_last})"
 
+    def make(self) -> None:
+        """Create the folder (and its parents) if needed; a CheckpointError naming the cause
+        when it cannot hold checkpoints (a file of that name, no permission)."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise CheckpointError(
+                f"the checkpoint folder {self.root} cannot be made: {self.root} or a parent of it is a "
+                "file; pass a folder path") from None
+        except OSError as err:
+            raise CheckpointError(
+                f"the checkpoint folder {self.root} cannot be made ({err.strerror}); fix the permissions "
+                "or pass another folder") from None
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise CheckpointError(
+                f"the checkpoint folder {self.root} is not writable; fix its permissions or pass another folder")
+
     def path_for(self, step: int) -> Path:
         """The file name a checkpoint of ``step`` gets."""
         return self.root / f"step_{int(step)}{SUFFIX}"
@@ -76,7 +93,7 @@ class CheckpointDir:
             file ``latest`` names and the best checkpoint are never deleted.
         best: also make this checkpoint ``best.ckpt``.
         """
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.make()
         self._remove_dead_tmp()
         if name is not None:
             target = self.root / (name if Path(name).suffix else name + SUFFIX)

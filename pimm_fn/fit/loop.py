@@ -166,6 +166,16 @@ class _Run(Dispatcher):
                 t0 = t2
         finally:
             _close(it)
+        if exhausted and ran == 0:
+            # An epoch of no steps "completes" a run that trained nothing: a generator spent by
+            # the first epoch, a dataset smaller than the position a checkpoint resumes at.
+            raise ValueError(
+                f"the training loader yielded no batch for epoch {epoch}"
+                + (f" after skipping to position {start}" if start else "")
+                + f" (the run counts {ipe} batches an epoch); pass a loader that yields its batches "
+                "every epoch (a list, a DataLoader, not a generator spent by an earlier epoch)"
+                + (", the same data the checkpoint was written with" if start else "")
+            )
         if pos < ipe and not exhausted:
             return False  # stopped mid-epoch: the epoch is not over, no EpochEnd
         history = self.history
