@@ -70,6 +70,44 @@ class Cursor:
         return _replace(self, changes)
 
 
+def _check_optimizer(optimizer) -> None:
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        return
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"TrainState.create takes a pimm_fn optimizer, a pure transform such as pimm_fn.optim.adamw(1e-3), "
+            f"got torch's {type(optimizer).__name__}, which keeps its state inside and updates the module in "
+            "place; a torch optimizer's saved state carries over with pimm_fn.optim.from_torch_state_dict")
+    if callable(optimizer):
+        name = getattr(optimizer, "__name__", type(optimizer).__name__)
+        raise TypeError(f"TrainState.create got the function {name}, not an optimizer: call it, e.g. "
+                        f"pimm_fn.optim.{name}(1e-3)" if name in ("adam", "adamw", "sgd") else
+                        f"TrainState.create got the function {name}, not an optimizer (init / update): call it")
+    raise TypeError(f"TrainState.create needs an optimizer such as pimm_fn.optim.adamw(1e-3), got "
+                    f"{type(optimizer).__name__}")
+
+
+def _warn_requires_grad_off(model: torch.nn.Module, optimizer) -> None:
+    # torch's optimizers skip a parameter with requires_grad=False (Pointcept freezes a
+    # backbone that way); pimm_fn trains what state.params holds unless the optimizer freezes it.
+    off = [k for k, p in model.named_parameters() if not p.requires_grad]
+    if not off:
+        return
+    from .optim.base import frozen_names
+
+    trained = sorted(set(off) - frozen_names(optimizer, [k for k, _ in model.named_parameters()]))
+    if trained:
+        from .user_warning import warn
+
+        shown = ", ".join(repr(k) for k in trained[:4]) + (f" ... ({len(trained)} in all)" if len(trained) > 4 else "")
+        n = len(trained)
+        warn(f"{n} parameter{'s' if n > 1 else ''} of {type(model).__name__} {'have' if n > 1 else 'has'} "
+             f"requires_grad=False ({shown}), but pimm_fn "
+             "trains every parameter in state.params: to keep them fixed as torch would, build the optimizer "
+             "with pimm_fn.optim.freeze(tx, names); to train them, set requires_grad back to True",
+             UserWarning)
+
+
 @attrs.frozen(slots=False)
 class RngKey:
     """A counter-based RNG key held on the host (JAX-style: each step consumes one key).
@@ -176,6 +214,7 @@ class TrainState:
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"TrainState.create needs an nn.Module, got {type(model).__name__}")
+        _check_optimizer(optimizer)
         # A torch.compile'd module: the state names its tensors as the plain module does
         # (no "_orig_mod." prefix), so checkpoints load into the plain model.
         plain = uncompiled_module(model)
@@ -184,6 +223,7 @@ class TrainState:
         if not params:
             raise ValueError(f"{type(plain).__name__} has no parameters to train")
         buffers = {k: _copy_to(v, device) for k, v in plain.named_buffers()}
+        _warn_requires_grad_off(plain, optimizer)
         opt_state = optimizer.init(params)
         if loss_scale is True:
             from .amp import init_loss_scale

@@ -2,6 +2,7 @@
 import gc
 import threading
 import types
+import warnings
 
 import attrs
 import optree
@@ -204,3 +205,30 @@ def test_a_subclass_survives_a_step():
     state = EmaState.create(Net(), sgd(0.1)).replace(ema={"n": torch.zeros(())})
     new, _ = supervised()(state, _batch())
     assert type(new) is EmaState and new.ema["n"] is state.ema["n"] and int(new.step) == 1
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (lambda m: torch.optim.SGD(m.parameters(), lr=0.1), "got torch's SGD, which keeps its state inside"),
+    (lambda m: adamw, r"got the function adamw, not an optimizer: call it, e.g. pimm_fn.optim.adamw\(1e-3\)"),
+    (lambda m: None, "needs an optimizer such as pimm_fn.optim.adamw"),
+])
+def test_create_names_a_wrong_optimizer(wrong, says):
+    model = Net()
+    with pytest.raises(TypeError, match=says):
+        TrainState.create(model, wrong(model))
+
+
+def test_parameters_with_requires_grad_off_warn_unless_frozen():
+    from pimm_fn import optim
+
+    model = Net()
+    model.fc1.weight.requires_grad_(False)
+    model.fc1.bias.requires_grad_(False)
+    # torch's optimizers skip them; pimm_fn would train them: say so, and how to freeze them
+    with pytest.warns(UserWarning, match=r"2 parameters of Net have requires_grad=False \('fc1.bias', 'fc1.weight'\)"
+                                         ".*pimm_fn.optim.freeze") as w:
+        TrainState.create(model, adamw(1e-3))
+    assert w[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TrainState.create(model, optim.freeze(adamw(1e-3), "fc1."))  # frozen as torch would: no warning
