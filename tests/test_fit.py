@@ -453,3 +453,21 @@ def test_steps_run_on_a_frame_stack_of_their_own(data):
     fit(make_state(), PermLoader(*data), probing_step, epochs=1)
     fit_epoch(make_state(), PermLoader(*data), probing_step)
     assert len(worst) == 12 and max(worst) <= 0.05, worst
+
+
+def test_common_call_mistakes_are_named(data):
+    from pimm_fn import steps
+    from pimm_fn.callbacks import ProgressBar
+    from pimm_fn.compile import compile_step
+
+    state, loader = make_state(), PermLoader(*data)
+    with pytest.raises(TypeError, match="fit takes the TrainState, not the module"):
+        fit(state.model, loader, step_fn, epochs=1)
+    with pytest.raises(TypeError, match=r"fit got one batch \(a dict with keys \['x', 'y'\]\) as its loader"):
+        fit(state, {"x": data[0], "y": data[1]}, step_fn, epochs=1)
+    for call in (lambda: fit(state, loader, steps.supervised, epochs=1),
+                 lambda: fit_epoch(state, loader, steps.supervised), lambda: compile_step(steps.supervised)):
+        with pytest.raises(TypeError, match=r"cannot be called as supervised\(state, batch\).*must be called first"):
+            call()
+    with pytest.raises(TypeError, match=r"callback ProgressBar is a class; pass an instance: ProgressBar\(...\)"):
+        fit(state, loader, step_fn, epochs=1, callbacks=[ProgressBar])

@@ -10,6 +10,7 @@ with the key advanced and the cursor untouched. :mod:`pimm_fn.compile.step` comp
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Optional
 
 import torch
@@ -204,6 +205,25 @@ def validate_first_batch(batch, name: str, state: Optional[TrainState] = None) -
         raise ValueError(f"the batch handed to step {name!r} is malformed: {err}") from None
 
 
+def check_step_function(fn, role: str = "step") -> None:
+    """A TypeError naming the mistake when ``fn`` cannot be called as ``fn(state, batch)``
+    (most often a step builder passed uncalled: ``steps.supervised`` for ``steps.supervised()``)."""
+    name = getattr(fn, "__name__", type(fn).__name__)
+    if not callable(fn):
+        raise TypeError(f"the {role} must be a function step(state, batch) -> (state, metrics), got {name}")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise TypeError(
+            f"the {role} {name} cannot be called as {name}(state, batch); a step builder such as "
+            f"pimm_fn.steps.supervised must be called first: {name}(...) returns the step") from None
+    except ValueError:
+        pass  # no signature to read (a builtin): let the call say
+
+
 def as_step(fn) -> Step:
     """Wrap a plain core function as a :class:`Step` (a Step is returned unchanged)."""
-    return fn if isinstance(fn, Step) else Step(fn)
+    if isinstance(fn, Step):
+        return fn
+    check_step_function(fn)
+    return Step(fn)

@@ -47,6 +47,8 @@ class Dispatcher:
         for cb in cbs:
             if not callable(cb):
                 raise TypeError(f"callback {cb!r} is not callable: a callback is cb(event, state)")
+            if isinstance(cb, type):
+                raise TypeError(f"callback {cb.__name__} is a class; pass an instance: {cb.__name__}(...)")
         self.callbacks = tuple(sorted(cbs, key=lambda c: getattr(c, "order", 0)))
         self.names = {id(cb): callback_name(cb) for cb in self.callbacks}
         # StepEnd fires every step: it goes only to the callbacks that can act on it.

@@ -223,6 +223,18 @@ def _switches(detect_anomaly: bool, matmul_precision: Optional[str]):
             torch.set_float32_matmul_precision(previous)
 
 
+def _check_call(state, step_fn) -> None:
+    if isinstance(state, torch.nn.Module):
+        raise TypeError(f"fit takes the TrainState, not the module: state = TrainState.create("
+                        f"{type(state).__name__}(...), pimm_fn.optim.adamw(1e-3)), then fit(state, ...)")
+    if not (hasattr(state, "cursor") and hasattr(state, "step")):
+        raise TypeError(f"fit's first argument must be a TrainState (TrainState.create(model, tx)), "
+                        f"got {type(state).__name__}")
+    from ..compile.boundary import check_step_function  # `import pimm_fn` does not load the compile package
+
+    check_step_function(step_fn, "step_fn")
+
+
 def fit(
     state,
     loader,
@@ -278,6 +290,7 @@ def fit(
     """
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
         raise ValueError(f"epochs must be a non-negative int (an absolute horizon), got {epochs!r}")
+    _check_call(state, step_fn)
     run = _Run(_Source(loader, iters_per_epoch), callbacks, epochs=epochs, guard=guard_state, trace=trace,
                history=history, empty_cache=empty_cache, block_seconds=block_seconds)
     run.step_fn = step_fn
@@ -340,6 +353,7 @@ def fit_epoch(
     as ``fit`` does. Returns a :class:`FitResult`; its status is ``"completed"`` when the
     epoch ended (cursor rolled to the next epoch) and ``"stopped"`` when a Stop came first.
     """
+    _check_call(state, step_fn)
     run = _Run(_Source(loader, iters_per_epoch), callbacks, epochs=None, guard=guard_state, trace=trace,
                history=history, empty_cache=None, block_seconds=block_seconds)
     run.step_fn = step_fn

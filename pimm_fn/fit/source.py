@@ -71,6 +71,10 @@ class _Source:
     def __init__(self, loader, iters_per_epoch):
         if loader is None:
             raise TypeError("fit needs a training loader, got None")
+        if isinstance(loader, collections.abc.Mapping):
+            raise TypeError(
+                f"fit got one batch (a {type(loader).__name__} with keys {sorted(map(str, loader))[:6]}) as its "
+                "loader; pass the batches (a list of them, a DataLoader or a pimm_fn.data loader)")
         if isinstance(loader, collections.abc.Iterator):
             raise TypeError(
                 f"fit needs a re-iterable loader (a list of batches, a DataLoader, or an object "
