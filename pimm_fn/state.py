@@ -56,8 +56,10 @@ class Cursor:
 
     epoch: the epoch being trained (0-based).
     position: batches of this epoch already consumed.
-    seed: the data seed; the sampler's order is a pure function of (seed, epoch, rank,
-        world_size), so (seed, epoch, position) positions any loader exactly.
+    seed: the run's data seed, kept with its position for the driver that builds the loader
+        (``build_train_loader(..., seed=cursor.seed)``): the loaders' order is a pure function
+        of (their seed, epoch, rank, world_size), so (seed, epoch, position) positions them
+        exactly. fit does not read it; a loader's saved state checks its own seed on resume.
     samples_seen: samples consumed by the run over all ranks.
     """
 

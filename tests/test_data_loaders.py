@@ -83,6 +83,26 @@ def test_resume_mid_epoch_yields_exactly_the_remaining_batches(workers):
     assert_batches_equal(list(resumed_loader.iter_epoch(2, 0)), list(make_loader(0).iter_epoch(2, 0)))
 
 
+def test_resuming_with_a_loader_that_holds_other_samples_is_refused():
+    first = make_loader(0)
+    it = first.iter_epoch(1, 0)
+    next(it), next(it)
+    mid = first.state_dict()
+    assert (mid["batch_size"], mid["seed"], mid["batches"]) == (3, 3, 3)
+    make_loader(0).load_state_dict(mid)  # the same loader: fine
+    with pytest.raises(ValueError, match=r"had seed=3 \(now 4\); the run stopped after batch 2 of epoch 1"):
+        make_loader(0, seed=4).load_state_dict(mid)
+    other_batch = build_train_loader(SyntheticScenes(22, seed=1, points=(200, 400)), batch_size=2, seed=3,
+                                     world_size=2, rank=1)
+    with pytest.raises(ValueError, match=r"had batch_size=3 \(now 2\), batches=3 \(now 5\)"):
+        other_batch.load_state_dict(mid)
+    # At an epoch's end another seed is a choice, not a mistake: said, not refused.
+    with pytest.warns(UserWarning, match="resumes at an epoch's start and draws other batches"):
+        make_loader(0, seed=4).load_state_dict(dict(mid, epoch=2, position=0))
+    with pytest.warns(UserWarning, match="resumes at an epoch's start"):
+        make_loader(0, seed=4).load_state_dict(dict(mid, position=3))  # the epoch's last batch done
+
+
 def test_epochs_differ_and_augmentation_is_keyed_by_epoch():
     loader = make_loader(0, mix_prob=0.0)
     e0, e1 = list(loader.iter_epoch(0, 0)), list(loader.iter_epoch(1, 0))

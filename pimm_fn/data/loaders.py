@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from ..user_warning import warn
 from .collate import PointCollate, collate
 from .count import count_batch
 from .sampler import ResumableSampler, samples_per_rank
@@ -236,9 +237,11 @@ class EpochLoader:
             yield batch
 
     def state_dict(self) -> dict:
-        """The position and, for iterable data, the StatefulDataLoader (worker) state."""
+        """The position, what decides which samples a position holds (batch size, seed,
+        batches an epoch) and, for iterable data, the StatefulDataLoader (worker) state."""
         sd = {"epoch": self._epoch, "position": self._position, "num_workers": self.num_workers,
-              "world_size": self.world_size}
+              "world_size": self.world_size, "batch_size": self.batch_size, "seed": self.seed,
+              "batches": self._len}
         if self.iterable:
             sd["loader"] = self._dl.state_dict()
         return sd
@@ -249,7 +252,13 @@ class EpochLoader:
         Map-style loaders need nothing (the Cursor positions them). A state saved with a
         different worker count or world size is dropped: the iterable then falls back to
         set_epoch + skipping, which is exact for epoch-deterministic streams.
+
+        A loader whose batch size, seed or epoch length differs from the saved one would put
+        other samples at the saved position: mid-epoch that is a ValueError (the epoch would
+        see some samples twice and miss others); at an epoch's end a warning (the run goes
+        on exactly, but with other batches than the original).
         """
+        self._check_same_samples(state)
         if not self.iterable or "loader" not in state:
             return
         if state.get("num_workers") != self.num_workers or state.get("world_size") != self.world_size:
@@ -261,6 +270,22 @@ class EpochLoader:
             )
             return
         self._pending = dict(state)
+
+    def _check_same_samples(self, state: dict) -> None:
+        now = {"batch_size": self.batch_size, "seed": self.seed, "batches": self._len}
+        changed = [f"{k}={state[k]} (now {v})" for k, v in now.items() if state.get(k) is not None and state[k] != v]
+        if not changed:
+            return
+        said = f"{self.name!r}: the checkpoint's loader had {', '.join(changed)}"
+        position, batches = state.get("position") or 0, state.get("batches") or math.inf
+        if 0 < position < batches:  # mid-epoch (a checkpoint at an epoch's end holds position == batches)
+            raise ValueError(
+                f"{said}; the run stopped after batch {state['position']} of epoch {state.get('epoch')}, and those "
+                "batches would now be other samples: build the loader as the checkpoint's run did to resume "
+                "exactly, or resume from a checkpoint written at an epoch's end (another world size or batch "
+                "size on purpose: move the cursor with pimm_fn.distributed.reshard_cursor, without this state)")
+        warn(f"{said}; the run resumes at an epoch's start and draws other batches than the original from here on",
+             UserWarning)
 
 
 def build_train_loader(
