@@ -32,6 +32,11 @@ def intersection_and_union(pred: torch.Tensor, target: torch.Tensor, num_classes
     target = target.reshape(-1).long()
     keep = target != ignore_index
     pred, target = pred[keep], target[keep]
+    outside = target[(target < 0) | (target >= num_classes)]
+    if outside.numel():  # Pointcept's histogram drops them silently and scores the rest
+        raise ValueError(
+            f"target label {int(outside[0])} is outside the {num_classes} classes (0..{num_classes - 1}) and is not "
+            f"ignore_index={ignore_index}: pass the data's num_classes, its ignore_index, or remap its labels")
     inter = pred[pred == target]
     area_i = torch.bincount(inter, minlength=num_classes)[:num_classes]
     area_p = torch.bincount(pred[(pred >= 0) & (pred < num_classes)], minlength=num_classes)[:num_classes]

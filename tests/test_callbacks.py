@@ -252,6 +252,11 @@ def test_evaluate_segmentation_metrics(data):
     assert [(x + y).tolist() for x, y in zip(a, b)] == [i.tolist(), u.tolist(), t.tolist()]
     # an absent class scores 0 IoU, as the seed's 1e-10 epsilon gives
     assert M.segmentation_scores([0, 1], [0, 1], [0, 1])["mIoU"] == pytest.approx(0.5)
+    # a label the metric has no class for is the data's or the metric's mistake, not a score
+    with pytest.raises(ValueError, match=r"label 2 is outside the 2 classes \(0..1\) and is not ignore_index=-1"):
+        M.intersection_and_union(pred, target, 2)
+    with pytest.raises(ValueError, match="target label 255 is outside"):
+        M.intersection_and_union(pred[:1], torch.tensor([255]), 3)
 
 
 def test_accuracy_and_evaluate_on_a_model(data):
