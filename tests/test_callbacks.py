@@ -294,6 +294,22 @@ def test_stop_on_non_finite_names_step_and_batch(data):
         fit(make_state(), PermLoader(*data), nan_at_3, epochs=2, callbacks=[StopOnNonFinite(raise_error=True)])
 
 
+
+def test_callbacks_that_could_never_act_are_refused(data):
+    # A watched metric no step reports, or a schedule that never fires, would watch nothing.
+    with pytest.raises(KeyError, match=r"StopOnNonFinite\(key='Loss'\): the step reported \[.*'loss'"):
+        fit(make_state(), PermLoader(*data), step_fn, epochs=1, callbacks=[StopOnNonFinite(key="Loss")])
+    with pytest.raises(KeyError, match=r"EarlyStopping: the epoch averages are \[.*\], not 'los'"):
+        fit(make_state(), PermLoader(*data), step_fn, epochs=1, callbacks=[EarlyStopping("los", source="train")])
+    for make in (lambda n: Evaluate(_eval_fn, [], every_epochs=n), lambda n: TextLog(".", every_steps=n),
+                 lambda n: Checkpoint(".", every_steps=n)):
+        for n in (0, -1, 2.5, True):
+            with pytest.raises(ValueError, match="must be a positive int or None"):
+                make(n)
+    with pytest.raises(ValueError, match="check_every must be an int >= 1"):
+        StopOnNonFinite(check_every=0)
+
+
 def test_early_stopping(data):
     val = [{"x": data[0], "y": data[1]}]
     values = iter([1.0, 0.5, 0.6, 0.55, 0.7, 0.1])

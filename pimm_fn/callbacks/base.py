@@ -171,6 +171,12 @@ def on(
     return wrap
 
 
+def check_every(label: str, n) -> None:
+    """A ValueError unless ``n`` (a callback's ``every_steps`` / ``every_epochs``) is None or an int >= 1."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"{label} must be a positive int or None (never), got {n!r}")
+
+
 def due(count: int, every: Optional[int]) -> bool:
     """``every`` > 0 and ``count`` is a multiple of it."""
     return bool(every) and count % every == 0

@@ -20,7 +20,7 @@ from .. import checkpoint as ckpt
 from .. import events as ev
 from ..tree import tree_leaves
 from ..user_warning import warn
-from .base import Callback, callback_name, due
+from .base import Callback, callback_name, check_every, due
 
 
 def _callback_keys(callbacks) -> dict:
@@ -70,9 +70,10 @@ class Checkpoint(Callback):
                  background: bool = True):
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
-        for label, n in (("every_steps", every_steps), ("every_epochs", every_epochs), ("keep_last", keep_last)):
-            if n is not None and (not isinstance(n, int) or n < (0 if label == "keep_last" else 1)):
-                raise ValueError(f"{label} must be a positive int or None, got {n!r}")
+        check_every("every_steps", every_steps)
+        check_every("every_epochs", every_epochs)
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 0):
+            raise ValueError(f"keep_last must be an int >= 0 or None (keep all), got {keep_last!r}")
         self.dir = ckpt.CheckpointDir(directory, keep_last=keep_last)
         self.every_steps, self.every_epochs = every_steps, every_epochs
         self.keep_last = keep_last

@@ -20,14 +20,17 @@ class StopOnNonFinite(Callback):
     """
 
     def __init__(self, key: str = "loss", check_every: int = 1, raise_error: bool = False):
-        self.key, self.check_every, self.raise_error = key, max(1, int(check_every)), raise_error
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+            raise ValueError(f"check_every must be an int >= 1, got {check_every!r}")
+        self.key, self.check_every, self.raise_error = key, check_every, raise_error
         self._rows: list = []
         self.message: Optional[str] = None
 
     def on_step_end(self, event, state):
         value = event.metrics.get(self.key)
-        if value is None:
-            return None
+        if value is None:  # watching a metric no step reports would never stop anything
+            raise KeyError(f"StopOnNonFinite(key={self.key!r}): the step reported {sorted(event.metrics)}; "
+                           "pass one of these")
         self._rows.append((event, value))
         if len(self._rows) >= self.check_every or event.is_last:
             return self._check()
@@ -95,5 +98,7 @@ class EarlyStopping(Callback):
             return self._see(float(event.metrics[self.metric]), event.step)
 
     def on_epoch_end(self, event, state):
-        if self.source == "train" and self.metric in event.metrics:
+        if self.source == "train":
+            if self.metric not in event.metrics:
+                raise KeyError(f"EarlyStopping: the epoch averages are {sorted(event.metrics)}, not {self.metric!r}")
             return self._see(float(event.metrics[self.metric]), event.step)

@@ -7,7 +7,7 @@ import torch
 
 from .. import events as ev
 from ..data.count import count_batch
-from .base import Callback, due
+from .base import Callback, check_every, due
 
 
 def _batches(loader):
@@ -33,6 +33,8 @@ class Evaluate(Callback):
 
     def __init__(self, eval_fn: Callable, loader, *, metric=None, every_steps: Optional[int] = None,
                  every_epochs: Optional[int] = 1, name: str = "val", at_end: bool = False):
+        check_every("every_steps", every_steps)
+        check_every("every_epochs", every_epochs)
         self.eval_fn, self.loader, self.metric = eval_fn, loader, metric
         self.every_steps, self.every_epochs, self.name, self.at_end = every_steps, every_epochs, name, at_end
         self.last: Optional[dict] = None

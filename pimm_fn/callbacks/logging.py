@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from .. import events as ev
-from .base import Callback, due
+from .base import Callback, check_every, due
 
 
 def scalar_tag(key: str) -> str:
@@ -67,8 +67,7 @@ class _Buffered(Callback):
     """Shared logic: buffer step metrics, write them in batches, write epoch/eval metrics."""
 
     def __init__(self, every_steps: int = 1, sync_every: int = 50):
-        if every_steps is not None and every_steps < 1:
-            raise ValueError(f"every_steps must be >= 1 or None, got {every_steps}")
+        check_every("every_steps", every_steps)
         self.every_steps = every_steps
         self.sync_every = max(1, int(sync_every))
         self._rows: list = []
@@ -192,6 +191,7 @@ class TextLog(Callback):
     """
 
     def __init__(self, save_path, every_steps: int = 1, filename: str = "train.log", echo: bool = False):
+        check_every("every_steps", every_steps)
         self.path = os.path.join(str(save_path), filename)
         self.every_steps = every_steps
         self.echo = echo
