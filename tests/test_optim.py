@@ -20,7 +20,7 @@ from pimm_fn.optim import (
     to_torch_state_dict,
     update_and_apply,
 )
-from pimm_fn.schedules import one_cycle, one_cycle_momentum
+from pimm_fn.schedules import cosine, one_cycle, one_cycle_momentum
 from pimm_fn.tree import tree_where
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -424,3 +424,17 @@ def test_torch_interop_structure_and_errors():
     sstate = from_torch_state_dict(sopt.state_dict(), stx.init(params), count=2)
     assert isinstance(sstate[1].groups["default"], SgdState)
     assert isinstance(sstate[1], GroupedState)
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda: adamw(1e-3, b1=1.0), r"b1 must be in \[0.0, 1.0\), got 1.0"),
+    (lambda: adam(1e-3, b1=-0.1), r"b1 must be in \[0.0, 1.0\)"),
+    (lambda: sgd(0.1, momentum=-1), "momentum must be >= 0.0"),
+    (lambda: adamw(one_cycle(10, -0.1)), "lr must be >= 0.0 throughout: its schedule has a0=-0.004"),
+    (lambda: sgd(cosine(10, -1.0)), "lr must be >= 0.0 throughout"),
+])
+def test_out_of_range_hyperparameters_are_refused_as_torch_refuses_them(make, says):
+    # torch.optim checks lr >= 0 and 0 <= beta1 < 1; a schedule of negative learning rates
+    # would silently ascend the loss.
+    with pytest.raises(ValueError, match=says):
+        make()

@@ -36,7 +36,7 @@ import torch
 
 from .. import torch_compat as F
 from ..compile.hoist import hoist
-from ..hyper import Hyper, prepare
+from ..hyper import Hyper, hypers_of, prepare
 from ..tree import global_norm, tree_flatten, tree_leaves, tree_map, tree_scale, tree_unflatten
 from .base import GradientTransformation, ScalarOrSchedule
 
@@ -103,9 +103,17 @@ def _hyper(named: dict, count: torch.Tensor) -> dict:
     return {k: _value64(v, count).to(torch.float32) for k, v in named.items()}
 
 
-def _check_number(name: str, value, low: float = 0.0) -> None:
-    if not callable(value) and not float(value) >= low:
-        raise ValueError(f"{name} must be >= {low}, got {value!r}")
+def _check_number(name: str, value, low: float = 0.0, high: Optional[float] = None) -> None:
+    """torch's range checks; a schedule's own numbers (its peak, final value, length...) >= ``low``."""
+    if callable(value):
+        for h in hypers_of(value):
+            for key, v in h.values.items():
+                if not v >= low:
+                    raise ValueError(f"{name} must be >= {low} throughout: its schedule has {key}={v!r} ({h!r})")
+        return
+    if not (float(value) >= low and (high is None or float(value) < high)):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise ValueError(f"{name} must be {bounds}, got {value!r}")
 
 
 def sgd(
@@ -231,7 +239,7 @@ def _foreach_leaves(kernel, trees: tuple, n_out: int, ref: int = 0) -> list:
 
 def _adam(lr, b1, b2, eps, weight_decay, amsgrad, decoupled, fused) -> GradientTransformation:
     _check_number("lr", lr)
-    _check_number("b1", b1)
+    _check_number("b1", b1, high=1.0)
     _check_number("eps", eps)
     _check_number("weight_decay", weight_decay)
     if not 0.0 <= float(b2) < 1.0:
