@@ -471,3 +471,14 @@ def test_common_call_mistakes_are_named(data):
             call()
     with pytest.raises(TypeError, match=r"callback ProgressBar is a class; pass an instance: ProgressBar\(...\)"):
         fit(state, loader, step_fn, epochs=1, callbacks=[ProgressBar])
+
+
+def test_a_callback_failing_at_the_end_keeps_the_trained_state(data):
+    class FullDisk(Callback):
+        def on_train_end(self, event, state):
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(RuntimeError, match="failed while handling TrainEnd; the run's state is kept") as info:
+        fit(make_state(), PermLoader(*data), step_fn, epochs=2, callbacks=[FullDisk()])
+    assert int(info.value.state.step) == 12 and info.value.state.cursor.epoch == 2  # 6 steps an epoch
+    assert isinstance(info.value.__cause__, OSError)

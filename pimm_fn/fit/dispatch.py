@@ -225,6 +225,10 @@ class Dispatcher:
                         queue.append(item)
         if errors and not isinstance(event, ev.Failed):
             cb, err = errors[0]
-            raise RuntimeError(
-                f"callback {self.names.get(id(cb))} failed while handling {type(event).__name__}"
-            ) from err
+            # The steps ran: a failing last save (a full disk) must not lose the trained state.
+            error = RuntimeError(
+                f"callback {self.names.get(id(cb))} failed while handling {type(event).__name__}; the run's "
+                "state is kept on this error: err.state"
+            )
+            error.state = state
+            raise error from err
