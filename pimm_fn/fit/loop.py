@@ -286,7 +286,8 @@ def fit(
     Returns:
       :class:`FitResult` (``state, history = fit(...)`` unpacks it). On KeyboardInterrupt the
       last completed state, with status ``"interrupted"``. Other exceptions propagate after
-      a Failed event.
+      a Failed event. A callback that fails on the run's terminal event (a final checkpoint
+      on a full disk) raises a RuntimeError that keeps the trained state: ``err.state``.
     """
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
         raise ValueError(f"epochs must be a non-negative int (an absolute horizon), got {epochs!r}")
