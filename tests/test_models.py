@@ -387,3 +387,11 @@ def test_image_classifier_channels_last_is_a_layout_not_a_model():
     a["loss"].backward(), b["loss"].backward()
     for (name, p), q in zip(cl.named_parameters(), nchw.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_float_labels_are_named_not_failed_inside_gather():
+    from pimm_fn.models import MLPClassifier
+
+    model = MLPClassifier(4, 3, hidden=8)
+    with pytest.raises(TypeError, match=r"batch\['y'\] holds torch.float32 values; class labels are integers"):
+        model({"x": torch.randn(5, 4), "y": torch.rand(5)})

@@ -42,6 +42,9 @@ def classification_outputs(logits: torch.Tensor, batch: dict, label_key: str, lo
     out = {logits_key: logits}
     if label_key in batch:
         target = batch[label_key]
+        if target.is_floating_point() or target.dtype == torch.bool:  # static: free under compile
+            raise TypeError(f"batch[{label_key!r}] holds {target.dtype} values; class labels are integers "
+                            f"(int64): convert them in the dataset or collate, e.g. .long()")
         out["loss"] = masked_cross_entropy(logits, target, ignore_index=ignore_index, weight=weight)
         out["acc"] = masked_accuracy(logits.detach(), target, ignore_index=ignore_index)
     return out
