@@ -482,3 +482,23 @@ def test_a_callback_failing_at_the_end_keeps_the_trained_state(data):
         fit(make_state(), PermLoader(*data), step_fn, epochs=2, callbacks=[FullDisk()])
     assert int(info.value.state.step) == 12 and info.value.state.cursor.epoch == 2  # 6 steps an epoch
     assert isinstance(info.value.__cause__, OSError)
+
+
+def test_a_loader_whose_length_changes_trains_each_epoch_whole(data):
+    class Growing:  # e.g. a sampler that adds hard examples each epoch
+        def __init__(self):
+            self.n = 2
+
+        def __len__(self):
+            return self.n
+
+        def __iter__(self):
+            batches = list(PermLoader(*data).iter_epoch(0, 0))[: self.n]
+            self.n += 1
+            return iter(batches)
+
+    rec = Recorder()
+    res = fit(make_state(), Growing(), step_fn, epochs=3, callbacks=[rec])
+    assert [e.steps for e in rec.events if isinstance(e, ev.EpochEnd)] == [2, 3, 4]
+    assert [e.iters_per_epoch for e in rec.events if isinstance(e, ev.EpochStart)] == [2, 3, 4]
+    assert int(res.state.step) == 9

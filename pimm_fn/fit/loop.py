@@ -92,7 +92,7 @@ class _Run(Dispatcher):
     def run_epoch(self) -> bool:
         """Fold over the current epoch's remaining batches. Returns True when it completed."""
         src = self.source
-        ipe = src.iters_per_epoch
+        ipe = src.epoch_length()
         cursor = self.state.cursor
         epoch, start = cursor.epoch, cursor.position
         it = src.iter_epoch(epoch, start) if start < ipe else iter(())

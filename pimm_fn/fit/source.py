@@ -86,9 +86,17 @@ class _Source:
         if not self.protocol and not isinstance(loader, Iterable):
             raise TypeError(f"the training loader must be iterable or have iter_epoch(); got {type(loader).__name__}")
         self.iters_per_epoch = resolve_iters_per_epoch(loader, iters_per_epoch)
+        self._sized = iters_per_epoch is None and isinstance(loader, collections.abc.Sized)
         self.world_size = max(1, int(getattr(loader, "world_size", 1) or 1))
         samples_in = getattr(loader, "samples_in", None)
         self.samples_in = samples_in if callable(samples_in) else _sample_counter()
+
+    def epoch_length(self) -> int:
+        """Steps in the epoch about to start: ``len(loader)`` again for a sized loader (one whose
+        length changes between epochs trains each epoch whole), else the length fit was given."""
+        if self._sized:
+            self.iters_per_epoch = resolve_iters_per_epoch(self.loader)
+        return self.iters_per_epoch
 
     def iter_epoch(self, epoch: int, start: int) -> Iterator:
         if self.protocol:
