@@ -21,6 +21,7 @@ and ``replace`` / tree_map / checkpoint restore keep the subclass.
 from __future__ import annotations
 
 import copy
+import numbers
 import weakref
 from typing import Any, Optional
 
@@ -73,7 +74,7 @@ class Cursor:
 
 
 def _check_optimizer(optimizer) -> None:
-    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+    if callable(getattr(optimizer, "init", None)):  # (a state built only to restore into needs no update)
         return
     if isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -217,6 +218,13 @@ class TrainState:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"TrainState.create needs an nn.Module, got {type(model).__name__}")
         _check_optimizer(optimizer)
+        for label, value in (("seed", seed), ("data_seed", data_seed)):
+            integer = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            if not integer and (value is not None or label == "seed"):
+                raise TypeError(f"TrainState.create: {label} must be an int, got {value!r}")
+        if not (loss_scale is None or isinstance(loss_scale, bool) or hasattr(loss_scale, "_fields")):
+            raise TypeError(f"TrainState.create: loss_scale must be None, True, False or a LossScaleState, "
+                            f"got {loss_scale!r}")
         # A torch.compile'd module: the state names its tensors as the plain module does
         # (no "_orig_mod." prefix), so checkpoints load into the plain model.
         plain = uncompiled_module(model)

@@ -232,3 +232,14 @@ def test_parameters_with_requires_grad_off_warn_unless_frozen():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         TrainState.create(model, optim.freeze(adamw(1e-3), "fc1."))  # frozen as torch would: no warning
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(seed=None), "seed must be an int, got None"),
+    (dict(seed=1.7), "seed must be an int, got 1.7"),
+    (dict(data_seed=2.0), "data_seed must be an int"),
+    (dict(loss_scale="yes"), "loss_scale must be None, True, False or a LossScaleState"),
+])
+def test_create_names_wrong_seeds_and_loss_scales(kw, says):
+    with pytest.raises(TypeError, match=says):
+        TrainState.create(Net(), adamw(1e-3), **kw)

@@ -83,7 +83,8 @@ def collate(batch: Sequence) -> Any:
 def _validate_point_sample(sample: Mapping, i: int) -> int:
     label = _sample_label(sample, i)
     if "coord" not in sample:
-        raise ValueError(f"{label} has no 'coord' key; point samples need coord [N,3]")
+        raise ValueError(f"{label} has no 'coord' key; point samples need coord [N,3] (samples that are not "
+                         "point clouds: build the loader with collate_fn=pimm_fn.data.image_collate, or your own)")
     coord = _as_tensor(sample["coord"])
     if coord.dim() != 2 or coord.shape[0] == 0:
         raise ValueError(

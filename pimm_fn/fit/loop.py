@@ -292,6 +292,8 @@ def fit(
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
         raise ValueError(f"epochs must be a non-negative int (an absolute horizon), got {epochs!r}")
     _check_call(state, step_fn)
+    if matmul_precision not in (None, "highest", "high", "medium"):
+        raise ValueError(f"matmul_precision must be None, 'highest', 'high' or 'medium', got {matmul_precision!r}")
     run = _Run(_Source(loader, iters_per_epoch), callbacks, epochs=epochs, guard=guard_state, trace=trace,
                history=history, empty_cache=empty_cache, block_seconds=block_seconds)
     run.step_fn = step_fn
