@@ -430,7 +430,7 @@ def test_torch_interop_structure_and_errors():
     (lambda: adamw(1e-3, b1=1.0), r"b1 must be in \[0.0, 1.0\), got 1.0"),
     (lambda: adam(1e-3, b1=-0.1), r"b1 must be in \[0.0, 1.0\)"),
     (lambda: sgd(0.1, momentum=-1), "momentum must be >= 0.0"),
-    (lambda: adamw(one_cycle(10, -0.1)), "lr must be >= 0.0 throughout: its schedule has a0=-0.004"),
+    (lambda: adamw(one_cycle(10, -0.1)), "lr must be >= 0.0 throughout: its schedule gives -0.004.* at step 0"),
     (lambda: sgd(cosine(10, -1.0)), "lr must be >= 0.0 throughout"),
 ])
 def test_out_of_range_hyperparameters_are_refused_as_torch_refuses_them(make, says):
@@ -438,3 +438,8 @@ def test_out_of_range_hyperparameters_are_refused_as_torch_refuses_them(make, sa
     # would silently ascend the loss.
     with pytest.raises(ValueError, match=says):
         make()
+
+
+def test_a_schedule_that_returns_a_number_is_named():
+    with pytest.raises(TypeError, match="lr: a schedule returns a 0-dim tensor of the step, got float"):
+        adamw(lambda count: 1e-3)

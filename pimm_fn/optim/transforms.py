@@ -36,7 +36,7 @@ import torch
 
 from .. import torch_compat as F
 from ..compile.hoist import hoist
-from ..hyper import Hyper, hypers_of, prepare
+from ..hyper import Hyper, prepare
 from ..tree import global_norm, tree_flatten, tree_leaves, tree_map, tree_scale, tree_unflatten
 from .base import GradientTransformation, ScalarOrSchedule
 
@@ -104,12 +104,17 @@ def _hyper(named: dict, count: torch.Tensor) -> dict:
 
 
 def _check_number(name: str, value, low: float = 0.0, high: Optional[float] = None) -> None:
-    """torch's range checks; a schedule's own numbers (its peak, final value, length...) >= ``low``."""
+    """torch's range checks; a schedule is checked at a few steps (its start included)."""
     if callable(value):
-        for h in hypers_of(value):
-            for key, v in h.values.items():
-                if not v >= low:
-                    raise ValueError(f"{name} must be >= {low} throughout: its schedule has {key}={v!r} ({h!r})")
+        for step in (0, 1, 100, 10_000, 1_000_000):
+            got = value(torch.tensor(step))
+            if not isinstance(got, torch.Tensor):
+                raise TypeError(f"{name}: a schedule returns a 0-dim tensor of the step, got {type(got).__name__} "
+                                f"at step {step}; use pimm_fn.schedules (constant(x) for a fixed value) or return "
+                                "torch.as_tensor(x)")
+            if not float(got) >= low:
+                raise ValueError(f"{name} must be >= {low} throughout: its schedule gives {float(got):.6g} "
+                                 f"at step {step}")
         return
     if not (float(value) >= low and (high is None or float(value) < high)):
         bounds = f">= {low}" if high is None else f"in [{low}, {high})"
