@@ -83,9 +83,8 @@ def _check_optimizer(optimizer) -> None:
             "place; a torch optimizer's saved state carries over with pimm_fn.optim.from_torch_state_dict")
     if callable(optimizer):
         name = getattr(optimizer, "__name__", type(optimizer).__name__)
-        raise TypeError(f"TrainState.create got the function {name}, not an optimizer: call it, e.g. "
-                        f"pimm_fn.optim.{name}(1e-3)" if name in ("adam", "adamw", "sgd") else
-                        f"TrainState.create got the function {name}, not an optimizer (init / update): call it")
+        example = f", e.g. pimm_fn.optim.{name}(1e-3)" if name in ("adam", "adamw", "sgd") else ""
+        raise TypeError(f"TrainState.create got the function {name}, not an optimizer: call it{example}")
     raise TypeError(f"TrainState.create needs an optimizer such as pimm_fn.optim.adamw(1e-3), got "
                     f"{type(optimizer).__name__}")
 

@@ -112,13 +112,16 @@ def _check_number(name: str, value, low: float = 0.0, high: Optional[float] = No
                 raise TypeError(f"{name}: a schedule returns a 0-dim tensor of the step, got {type(got).__name__} "
                                 f"at step {step}; use pimm_fn.schedules (constant(x) for a fixed value) or return "
                                 "torch.as_tensor(x)")
-            if not float(got) >= low:
-                raise ValueError(f"{name} must be >= {low} throughout: its schedule gives {float(got):.6g} "
-                                 f"at step {step}")
+            if not (float(got) >= low and (high is None or float(got) < high)):
+                raise ValueError(f"{name} must be {_bounds(low, high)} throughout: its schedule gives "
+                                 f"{float(got):.6g} at step {step}")
         return
     if not (float(value) >= low and (high is None or float(value) < high)):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high})"
-        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+        raise ValueError(f"{name} must be {_bounds(low, high)}, got {value!r}")
+
+
+def _bounds(low: float, high: Optional[float]) -> str:
+    return f">= {low}" if high is None else f"in [{low}, {high})"
 
 
 def sgd(
