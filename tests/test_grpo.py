@@ -72,9 +72,15 @@ STEP_KW = dict(sample=sample, reward=reward, group_size=G, policy_updates=2, kl_
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    """One compiled GRPO step (P=2, KL on) shared by this module."""
-    return compile_step(grpo(**STEP_KW))
+def compiled(tmp_path_factory):
+    """One compiled GRPO step (P=2, KL on) shared by this module, with the step cache on as
+    users have it by default (the suite turns it off elsewhere): a step whose core is a bound
+    method compiles without it (it crashed on its first call)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PIMM_FN_STEP_CACHE", str(tmp_path_factory.mktemp("steps")))
+        step = compile_step(grpo(**STEP_KW))
+        step(make_state(ref=True), make_batch())  # the first call decides the cache
+    return step
 
 
 # --------------------------------------------------------------------------- exactness

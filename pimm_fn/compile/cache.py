@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import os
 import pathlib
 import re
@@ -439,6 +440,13 @@ def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.
     """
     inner = state.replace(rng=None, cursor=None)
     first_shapes = shapes_of(batch)
+    if inspect.ismethod(core) and directory is not None:
+        # The precompile API saves a bound method's function, whose signature then asks for
+        # `self` on every call (GRPO's core): such a step compiles as without the cache.
+        if not quiet:
+            warn(f"the step's core {core.__qualname__} is a bound method, which the step cache cannot save; "
+                 "it compiles as usual, and the next process compiles it again", RuntimeWarning)
+        return Precompiled(None, None, False, first_shapes)
     path = None
     if directory is not None:
         key = hashlib.sha256("|".join((
