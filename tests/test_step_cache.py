@@ -152,7 +152,7 @@ def test_a_damaged_file_is_compiled_again_and_replaced(saved, tmp_path):
         compile_step(steps.supervised(), cache=3)
 
 
-def test_the_key_is_the_same_in_every_process():
+def test_the_key_is_the_same_in_every_process(tmp_path):
     # Hash seeds and object addresses differ per process; the key must not depend on them.
     import os
     import subprocess
@@ -167,9 +167,10 @@ def test_the_key_is_the_same_in_every_process():
         "    s = TrainState.create(m, optim.adamw(schedules.one_cycle(100, 1e-3)), seed=0)\n"
         "    print(step_cache.fingerprint(steps.supervised(clip_grad=1.0).core, s))\n"
     )
+    # ... nor on the working directory (dynamo's config names a debug folder under it).
     keys = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
-            for seed in ("1", "2", "3")}
+                           env={**os.environ, "PYTHONHASHSEED": seed}, cwd=cwd).stdout.strip()
+            for seed, cwd in (("1", None), ("2", "/"), ("3", tmp_path))}
     assert len(keys) == 1
 
 

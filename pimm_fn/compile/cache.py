@@ -256,7 +256,9 @@ def fingerprint(core, state) -> str:
            f"{torch.are_deterministic_algorithms_enabled()}")
     for config in (torch_compat.dynamo_config(), torch_compat.inductor_config()):
         try:
-            h.value(config.save_config_portable())  # dicts and sets in a stable order
+            # Folders are where torch writes, not what it compiles (dynamo's debug folder
+            # follows the working directory): the same step from another folder is the same.
+            h.value({k: v for k, v in config.save_config_portable().items() if not k.endswith(("_dir", "_dir_root"))})
         except Exception:
             h.text(_ADDRESS.sub("", repr(config)))
     h.value(core)
