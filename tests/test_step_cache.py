@@ -264,6 +264,9 @@ def test_the_folder_is_bounded_least_recently_used_first(tmp_path, monkeypatch):
     monkeypatch.setenv("PIMM_FN_STEP_CACHE_MAX_MB", "lots")
     with pytest.raises(ValueError, match="PIMM_FN_STEP_CACHE_MAX_MB"):
         step_cache.max_bytes()
+    # ... and a step with the cache on says so at its first call (it claimed a failed save)
+    with pytest.raises(ValueError, match="PIMM_FN_STEP_CACHE_MAX_MB='lots' is not a number of MiB"):
+        compile_step(steps.supervised(), cache=tmp_path / "steps")(_state(), _batch())
     monkeypatch.setenv("PIMM_FN_STEP_CACHE_MAX_MB", "0.5")
     assert step_cache.max_bytes() == 1 << 19
 

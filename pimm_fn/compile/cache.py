@@ -442,6 +442,8 @@ def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.
     """
     inner = state.replace(rng=None, cursor=None)
     first_shapes = shapes_of(batch)
+    if directory is not None:
+        max_bytes()  # a malformed bound fails here, naming itself, not later as a failed save
     if inspect.ismethod(core) and directory is not None:
         # The precompile API saves a bound method's function, whose signature then asks for
         # `self` on every call (GRPO's core): such a step compiles as without the cache.
