@@ -43,9 +43,9 @@ def _workload(model: str):
         return state, batches
     if model == "ptv3_default":
         sys.path.insert(0, HERE)
-        from compile_time import _ptv3_default_workload
+        from compile_time import _ptv3_config_workload
 
-        return _ptv3_default_workload()
+        return _ptv3_config_workload("ptv3_default")
     from pimm_fn.bench import workloads
 
     w = getattr(workloads, model)(n_batches=8)
@@ -86,8 +86,9 @@ def _child(model: str, way: str, steps_wanted: int, after: int, seconds: float, 
     return {"first_step_s": ends[0], "steps": len(ends), "total_s": ends[-1], "step_ends_s": ends,
             "median_later_step_s": sorted(gaps)[len(gaps) // 2] if gaps else None,
             "switch_at": switch, "switch_s": ends[switch - 1] if switch and switch <= len(ends) else None,
-            "compiled_step_s": (sorted(gaps[switch:])[len(gaps[switch:]) // 2]
-                                if switch is not None and gaps[switch:] else None),
+            # gaps[i] is call i + 2's time; calls from switch_at + 1 on run compiled
+            "compiled_step_s": (sorted(gaps[switch - 1:])[len(gaps[switch - 1:]) // 2]
+                                if switch and gaps[switch - 1:] else None),
             "compile_count": step.compile_count, "threads": torch.get_num_threads()}
 
 
