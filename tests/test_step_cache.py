@@ -388,3 +388,8 @@ def test_a_point_step_the_cached_one_rejects_compiles_once_for_every_point_count
     ref, _ = _run(steps.supervised(), fresh(), batches)
     for k in ref.params:
         assert torch.allclose(state.params[k], ref.params[k], atol=1e-6)
+
+
+def test_a_cache_folder_given_with_a_tilde_is_the_home_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert step_cache.resolve_dir("~/steps") == tmp_path / "steps"  # as $PIMM_FN_STEP_CACHE reads it

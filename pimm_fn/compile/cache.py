@@ -82,7 +82,7 @@ def resolve_dir(cache) -> Optional[pathlib.Path]:
     if cache is True:
         return default_dir()
     if isinstance(cache, (str, os.PathLike)):
-        return pathlib.Path(cache)
+        return pathlib.Path(cache).expanduser()  # as $PIMM_FN_STEP_CACHE is (not a folder named "~")
     raise TypeError(f"compile_step(cache=...) takes True, False/None or a folder path, got {cache!r}")
 
 
