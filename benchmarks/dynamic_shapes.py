@@ -2,10 +2,12 @@
 
     python benchmarks/dynamic_shapes.py
 
-Not a test: prints a table (the finding is recorded in :mod:`pimm_fn.data.dynamic`).
+Not a test: prints a table (the finding is recorded in benchmarks/README.md, "Variable
+point counts"). No options.
 """
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -87,4 +89,5 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help, not a run
     main()
