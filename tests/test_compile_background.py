@@ -72,6 +72,15 @@ def test_eager_calls_while_compiling_then_one_recorded_switch_pinned_runs_reprod
     assert _equal(step(states[s - 1], batches[(s - 1) % len(batches)])[0], states[s])
 
 
+def test_a_pinned_switch_that_waits_for_the_compile_counts_it_once():
+    core, batches = steps.supervised(), _batches()
+    step = compile_step(core, background=True, switch_at=1, cache=False)
+    state = _fresh()
+    for i in range(3):  # the second call waits for the compile the first one started
+        state, _ = step(state, batches[i % len(batches)])
+    assert step.compile_count == 1, step.recompile_reasons
+
+
 def test_a_resumed_run_switches_where_its_checkpoints_say(tmp_path):
     core, batches = steps.supervised(), _batches()
     first = compile_step(core, background=True, switch_at=5, cache=False)

@@ -174,9 +174,14 @@ class CompiledStep:
             self._before_first_call(state, batch)
         if not self.background:
             return (*self._run(state, batch), graphs)
+        waiting = self._pending is not None
         eager = not self._compiled_now(state)
         if eager or first:
             graphs = None  # what compiles meanwhile is the background's, counted there
+        elif waiting and self._pending is None:
+            # This call took the background's result (waiting for it at a pinned switch):
+            # its graphs were counted as it handed them over; count only what compiles next.
+            graphs = torch_compat.compiled_graph_count()
         if eager:
             new_state, metrics = self._run_eager_beside_compile(state, batch)
         else:
