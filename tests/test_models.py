@@ -395,3 +395,18 @@ def test_float_labels_are_named_not_failed_inside_gather():
     model = MLPClassifier(4, 3, hidden=8)
     with pytest.raises(TypeError, match=r"batch\['y'\] holds torch.float32 values; class labels are integers"):
         model({"x": torch.randn(5, 4), "y": torch.rand(5)})
+
+
+def test_a_compiled_cnn_step_compiles_once_and_keeps_its_weights_layout():
+    # Inductor hands conv weights (and their moments) back channels-last; fed in again so,
+    # they failed the step's stride guards and the step compiled a second time.
+    torch.manual_seed(0)
+    state = TrainState.create(ImageClassifier(3, 4, width=8, depth=2), adamw(1e-3))
+    step = compile_step(supervised(clip_grad=1.0), cache=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        batch = {"image": torch.randn(4, 3, 8, 8, generator=g), "label": torch.randint(0, 4, (4,), generator=g)}
+        new, _ = step(state, batch)
+        assert all(new.params[k].stride() == v.stride() for k, v in state.params.items())
+        state = new
+    assert step.compile_count == 1, step.recompile_reasons

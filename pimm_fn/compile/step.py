@@ -24,7 +24,7 @@ import torch
 from .. import torch_compat
 from ..frame_room import call_with_frame_room
 from ..state import TrainState, structure_only
-from ..tree import tree_leaves
+from ..tree import tree_flatten, tree_leaves, tree_unflatten
 from ..user_warning import warn
 from . import cache as step_cache
 from . import isa_memo
@@ -108,6 +108,7 @@ class CompiledStep:
         self._points_marked = False  # the first point batch's dims were marked unbacked
         self._precompiled = None  # the cached step, until its guards reject an input
         self._first_shapes = None  # the cached step's example batch shapes
+        self._restride: Optional[tuple] = None  # state leaves handed back in other strides (found once)
         self._regions: Optional[CompiledRegions] = None
         self._patches = mode_patches(mode, dynamic, options)
         # CUDA graphs (reduce-overhead, max-autotune): see _run_whole.
@@ -348,13 +349,33 @@ class CompiledStep:
 
     def _run_whole(self, fn, state: TrainState, batch):
         if not self._cudagraphs:
-            return run_core(fn, state, batch)
+            new_state, metrics = run_core(fn, state, batch)
+            return self._in_input_strides(state, new_state), metrics
         # A CUDA-graph replay writes its outputs into the pool memory of the replay before:
         # without a copy, a state or metrics the caller still holds would be overwritten by
         # the next step. One device copy per step is what mode="reduce-overhead" costs.
         torch.compiler.cudagraph_mark_step_begin()
         new_state, metrics = run_core(fn, state, batch)
         return copy_tensors(new_state), copy_tensors(metrics)
+
+    def _in_input_strides(self, state: TrainState, new_state: TrainState) -> TrainState:
+        """``new_state`` with each leaf in the strides it came in with. Inductor may hand back
+        a conv weight and its moments channels-last although the step traced them contiguous;
+        the next call would fail the compiled step's stride guards and compile it again. The
+        leaves that differ are found on the first call; a step without any pays nothing."""
+        if self._restride == ():
+            return new_state
+        old = tree_leaves(state)
+        new, spec = tree_flatten(new_state)
+        if self._restride is None:
+            self._restride = () if len(old) != len(new) else tuple(
+                i for i, (a, b) in enumerate(zip(old, new)) if isinstance(a, torch.Tensor)
+                and isinstance(b, torch.Tensor) and a.shape == b.shape and a.stride() != b.stride())
+        for i in self._restride:
+            a, b = old[i], new[i]
+            if b.stride() != a.stride():
+                new[i] = torch.empty_strided(a.shape, a.stride(), dtype=b.dtype, device=b.device).copy_(b)
+        return tree_unflatten(spec, new) if self._restride else new_state
 
     def _retry_with_guarded_sizes(self, err: Exception, state: TrainState, batch):
         # The model reads a point count (a branch on a size, a host check): trace the point
