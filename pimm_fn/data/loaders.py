@@ -262,12 +262,9 @@ class EpochLoader:
         if not self.iterable or "loader" not in state:
             return
         if state.get("num_workers") != self.num_workers or state.get("world_size") != self.world_size:
-            warnings.warn(
-                f"{self.name!r}: loader state saved with num_workers={state.get('num_workers')}, "
-                f"world_size={state.get('world_size')}; now {self.num_workers}, {self.world_size}. "
-                "Dropping it; resume skips batches instead.",
-                stacklevel=2,
-            )
+            warn(f"{self.name!r}: loader state saved with num_workers={state.get('num_workers')}, "
+                 f"world_size={state.get('world_size')}; now {self.num_workers}, {self.world_size}. "
+                 "Dropping it; resume skips batches instead.", UserWarning)
             return
         self._pending = dict(state)
 
