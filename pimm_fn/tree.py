@@ -26,6 +26,11 @@ def tree_leaves(tree: Any) -> list:
     return optree.tree_leaves(tree, namespace=NAMESPACE)
 
 
+def all_on_cpu(tree: Any) -> bool:
+    """Whether every tensor leaf of ``tree`` lives on the CPU (reading it waits for no device)."""
+    return all(t.device.type == "cpu" for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
 class _FlatDictDef:
     """The structure of a flat ``name -> tensor`` dict (params, grads, moments).
 

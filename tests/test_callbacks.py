@@ -119,8 +119,32 @@ def test_tensorboard_writer_thread_writes_what_the_training_thread_would(data, t
     assert len(threaded) > 10 and threaded == inline
 
 
+def test_tensorboard_writes_a_cpu_run_on_the_training_thread_and_a_device_run_on_its_own(data, tmp_path):
+    import threading
+
+    seen = []
+
+    def threads(event, state):
+        if isinstance(event, ev.EpochEnd):
+            seen.extend(t.name for t in threading.enumerate())
+
+    tb = TensorBoard(tmp_path)
+    fit(make_state(), PermLoader(*data), step_fn, epochs=2, callbacks=[tb, threads])
+    assert seen and not any(name.startswith("pimm_fn-tensorboard") for name in seen)
+    assert len(_event_records(tmp_path)) > 8
+    # Metrics on a device would be read (a device sync) on the writer thread.
+    off_cpu = make_state().replace(params={k: v.to("meta") for k, v in make_state().params.items()})
+    tb = TensorBoard(tmp_path / "device")
+    tb.on_train_start(ev.TrainStart(step=0, epoch=0, position=0, samples_seen=0, epochs=1, iters_per_epoch=1,
+                                    resumed=False), off_cpu)
+    assert tb._threaded
+    tb._close()
+    with pytest.raises(TypeError, match="background must be True, False or None"):
+        TensorBoard(tmp_path, background="yes")
+
+
 def test_tensorboard_writer_error_surfaces_on_the_training_thread(tmp_path):
-    tb = TensorBoard(tmp_path, sync_every=1)
+    tb = TensorBoard(tmp_path, sync_every=1, background=True)
     tb._open()
     tb._wait()
     tb._file._f.close()  # the writer's next write fails (as a full disk would)

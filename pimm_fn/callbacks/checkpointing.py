@@ -18,7 +18,7 @@ import torch
 
 from .. import checkpoint as ckpt
 from .. import events as ev
-from ..tree import tree_leaves
+from ..tree import all_on_cpu
 from ..user_warning import warn
 from .base import Callback, callback_name, check_every, due
 
@@ -125,7 +125,7 @@ class Checkpoint(Callback):
 
     def _request(self, state, step: int, best: bool) -> list:
         """Save ``state`` as ``step``: in the background where possible; returns finished events."""
-        if not self.background or not _all_on_cpu(state):
+        if not self.background or not all_on_cpu(state):
             return self._finished(wait=True) + [
                 ev.CheckpointSaved(step=step, path=str(self.save(state, step, best=best)), best=best)]
         # What the loader and callbacks say about this step is read now, on this thread.
@@ -242,10 +242,6 @@ class Checkpoint(Callback):
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
-
-
-def _all_on_cpu(state) -> bool:
-    return all(t.device.type == "cpu" for t in tree_leaves(state) if isinstance(t, torch.Tensor))
 
 
 def restore_latest(directory, like):

@@ -1,8 +1,10 @@
-"""TensorBoard event files from the step metrics, written off the training thread.
+"""TensorBoard event files from the step metrics.
 
-The training thread hands buffered rows over (a list append per step, a queue put per
-``sync_every`` steps); one writer thread reads the numbers, encodes the events with
-tensorboardX's protos and appends them to the file. A checkpoint waits until every row
+The training thread buffers rows (a list append per step) and hands them over every
+``sync_every`` steps. When the metrics live on an accelerator, one writer thread reads the
+numbers (which waits for the device), encodes the events with tensorboardX's protos and
+appends them to the file; CPU metrics are encoded on the training thread, since a writer
+thread there only competes with the step for the GIL. A checkpoint waits until every row
 handed over before it is on the file, so a SIGKILL after a checkpoint loses no step the
 checkpoint holds.
 """
@@ -19,6 +21,7 @@ from typing import Optional
 
 from crc32c import crc32c
 
+from ..tree import all_on_cpu
 from .logging import _Buffered, _numbers
 
 __all__ = ["TensorBoard"]
@@ -35,16 +38,22 @@ class TensorBoard(_Buffered):
 
     every_steps: log every n-th step (1: each step, as in Pointcept). Use :meth:`add_scalar`
     for your own scalars.
-    background: read the numbers and encode and write the events on one writer thread (the
-        default), in the order they were handed over, so the training thread only hands
-        rows over; False does it all on the training thread. A writer error is raised on
+    background: True reads the numbers and encodes and writes the events on one writer
+        thread, in the order they were handed over, so the training thread only hands rows
+        over; False does it all on the training thread. None (the default) picks the thread
+        when the run's state is off the CPU (reading its metrics waits for the device) and
+        the training thread for a CPU state, where a writer thread would hold the GIL
+        against the step and cost more than the writing itself. A writer error is raised on
         the training thread at the next hand-over, flush or close.
     """
 
-    def __init__(self, log_dir, every_steps: int = 1, sync_every: int = 50, background: bool = True):
+    def __init__(self, log_dir, every_steps: int = 1, sync_every: int = 50, background: Optional[bool] = None):
         super().__init__(every_steps, sync_every)
+        if background is not None and not isinstance(background, bool):
+            raise TypeError(f"background must be True, False or None (by the state's device), got {background!r}")
         self.log_dir = str(log_dir)
-        self.background = bool(background)
+        self.background = background
+        self._threaded = bool(background)  # resolved for each run at TrainStart
         self._file: Optional[_EventFile] = None
         self._events: dict = {}  # tags -> the Event refilled for each step with those tags
         self._worker: Optional[ThreadPoolExecutor] = None
@@ -55,7 +64,7 @@ class TensorBoard(_Buffered):
         queued = self._queued
         while queued and queued[0].done():
             queued.popleft().result()  # a writer error surfaces here, on the training thread
-        if not self.background:
+        if not self._threaded:
             fn(*args)
             return
         if self._worker is None:
@@ -75,6 +84,11 @@ class TensorBoard(_Buffered):
 
     def _write_block(self, rows) -> None:
         self._write_rows(_numbers(rows))
+
+    def on_train_start(self, event, state):
+        if self.background is None:
+            self._threaded = not all_on_cpu(state)
+        super().on_train_start(event, state)
 
     def _open(self, event=None):
         # Imported here, on the training thread: an import on the writer thread while the first
