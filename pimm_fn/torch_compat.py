@@ -18,11 +18,11 @@ import torch.fx.experimental._config as _shape_config
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, guard_or_true
 
 __all__ = ["all_gather", "all_reduce", "backendless_mesh", "clear_unbacked", "compilation_reasons",
-           "compiled_graph_count", "cpu_vec_isa_class", "dynamo_compile_hooks", "dynamo_config", "dynamo_counters",
-           "generator_untouched_by_this_thread", "graph_break_count", "graph_break_records", "guard_or_true",
-           "inductor_config", "inductor_mode_options", "is_compiled_module", "is_data_dependent_error",
-           "is_dynamo_unsupported", "is_marked_dynamic", "mark_backed", "mark_dynamic", "mark_unbacked",
-           "profiler_enabled", "reduce_scatter", "reset_dynamo", "step_tracing_config",
+           "compiled_graph_count", "complete_loaded_guards", "cpu_vec_isa_class", "dynamo_compile_hooks",
+           "dynamo_config", "dynamo_counters", "generator_untouched_by_this_thread", "graph_break_count",
+           "graph_break_records", "guard_or_true", "inductor_config", "inductor_mode_options", "is_compiled_module",
+           "is_data_dependent_error", "is_dynamo_unsupported", "is_marked_dynamic", "mark_backed", "mark_dynamic",
+           "mark_unbacked", "profiler_enabled", "reduce_scatter", "reset_dynamo", "step_tracing_config",
            "tensorify_restart_error", "trace_inductor_dummy_module", "unbacked_dims", "uncompiled_module"]
 
 TORCH_VERSION_WRITTEN_FOR = "2.13"
@@ -111,6 +111,24 @@ def step_tracing_config():
     stack.enter_context(_dynamo().config.patch(trace_autograd_ops=True))
     stack.enter_context(_shape_config.patch(use_duck_shape=False))
     return stack
+
+
+def complete_loaded_guards(fn) -> None:
+    """Give a step loaded from the precompile API (``load_compiled_function``) the module
+    aliases its guards look up. A dynamic step's shape guards (dynamo specialising float
+    defaults such as ``ord=2.0``) read ``G['__import_pimm_fn_dot_tree']``; the global scope
+    the artifact restores its guards under lacks these aliases, so every call failed the
+    guards and compiled the step again. The aliases are the artifact's own import list."""
+    import importlib
+
+    artifacts = getattr(fn, "_artifacts", None)
+    scope = getattr(getattr(artifacts, "guard_manager", None), "global_scope", None)
+    env = getattr(artifacts, "runtime_env", None)
+    if not isinstance(scope, dict) or not isinstance(scope.get("G"), dict) or env is None:
+        return
+    for alias, module in getattr(env, "import_sources", {}).items():
+        if alias not in scope["G"]:
+            scope["G"][alias] = importlib.import_module(module)
 
 
 def dynamo_config():

@@ -338,6 +338,21 @@ def test_one_saved_point_step_serves_every_point_count_in_the_next_process(tmp_p
     assert shuffled.loaded_from_cache and shuffled.compile_count == 0, shuffled.recompile_reasons
 
 
+def test_a_dynamic_step_is_loaded_and_serves_every_batch_size_without_compiling(tmp_path):
+    # A dynamic step's shape guards look up dynamo's module aliases, which a loaded
+    # artifact's guard scope lacked: every call failed them and compiled the step again.
+    batches = [_batch(16, seed=0), _batch(10, seed=1)]
+    first = compile_step(steps.supervised(), dynamic=True, cache=tmp_path)
+    state_a, _ = _run(first, _state(), batches)
+    again = compile_step(steps.supervised(), dynamic=True, cache=tmp_path)
+    state_b, _ = _run(again, _state(), batches)
+    assert again.loaded_from_cache and again.compile_count == 0, again.recompile_reasons
+    for k in state_a.params:
+        assert torch.equal(state_a.params[k], state_b.params[k])
+    _run(again, state_b, [_batch(7, seed=2)])
+    assert again.compile_count == 0, again.recompile_reasons
+
+
 class _ReadsMode(torch.nn.Module):
     """Branches on a string of the batch."""
 

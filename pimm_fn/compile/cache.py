@@ -412,7 +412,9 @@ def load(path: pathlib.Path, core=None, patches: Optional[dict] = None):
     f_globals = getattr(core, "__globals__", None)
     kwargs = {} if f_globals is None else {"f_globals": f_globals}
     with open(path, "rb") as f, torch_compat.inductor_config().patch(patches or {}):
-        return torch.compiler.load_compiled_function(f, **kwargs)
+        fn = torch.compiler.load_compiled_function(f, **kwargs)
+    torch_compat.complete_loaded_guards(fn)
+    return fn
 
 
 def is_guard_failure(err: BaseException) -> bool:
