@@ -286,6 +286,16 @@ def test_the_cache_is_on_by_default_for_a_whole_step_and_the_environment_turns_i
     assert compile_step(core, cache=True).cache_dir == tmp_path / "pimm_fn" / "steps"
 
 
+def test_a_cache_folder_the_environment_names_but_cannot_hold_warns_and_names_no_artifact(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("PIMM_FN_STEP_CACHE", str(blocker / "steps"))  # under a file: never a folder
+    step = compile_step(steps.supervised(clip_grad=1.0))
+    with pytest.warns(RuntimeWarning, match="could not save the compiled step to .*a_file/steps"):
+        state, _ = _run(step, _state(), [_batch(seed=0), _batch(seed=1)])
+    assert int(state.step) == 2 and step.cache_path is None and not step.loaded_from_cache
+
+
 class _PointHead(torch.nn.Module):
     """A point model: per-point layers, a per-cloud mean through ``offset``, a cloud label."""
 

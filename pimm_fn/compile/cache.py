@@ -72,6 +72,12 @@ def auto_dir() -> Optional[pathlib.Path]:
     return pathlib.Path(raw).expanduser()
 
 
+def asked_by_environment() -> bool:
+    """Whether ``$PIMM_FN_STEP_CACHE`` names a folder (a choice, unlike the default folder)."""
+    raw = os.environ.get(_ENV, "").strip()
+    return bool(raw) and raw.lower() not in _OFF
+
+
 def resolve_dir(cache) -> Optional[pathlib.Path]:
     """``cache`` as given to compile_step: None (:func:`auto_dir`), False (off), True (the
     default folder) or a folder."""
@@ -492,19 +498,20 @@ def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.
                 raise
             if quiet or torch_compat.is_data_dependent_error(err):
                 # (a model reading a point count: compile_step retries with guarded sizes, and says so)
-                return Precompiled(None, path, False, first_shapes)
+                return Precompiled(None, None, False, first_shapes)
             first_line = str(err).splitlines()[0] if str(err) else ""
             warn(f"the step cannot be saved to the cache ({type(err).__name__}: {first_line}); it "
                  "compiles as usual, and the next process compiles it again", RuntimeWarning)
-            return Precompiled(None, path, False, first_shapes)
+            return Precompiled(None, None, False, first_shapes)
     if path is None:
         return Precompiled(fn, path, False, first_shapes)
     try:
         save(fn, path)
         prune(directory, keep=path)
     except Exception as err:  # a read-only or full disk: run without saving
-        if quiet:
-            return Precompiled(fn, path, False, first_shapes)
-        warn(f"could not save the compiled step to {path} ({type(err).__name__}: {err}); "
-             "the next process compiles it again", RuntimeWarning)
+        if not path.exists():
+            path = None  # nothing saved: no artifact to name
+        if not quiet:
+            warn(f"could not save the compiled step to {directory} ({type(err).__name__}: {err}); "
+                 "the next process compiles it again", RuntimeWarning)
     return Precompiled(fn, path, False, first_shapes)

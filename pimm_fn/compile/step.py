@@ -87,7 +87,9 @@ class CompiledStep:
         self.fullgraph = fullgraph
         # Left None, the cache follows $PIMM_FN_STEP_CACHE for a whole-step compile and is
         # off where it cannot serve (eager, regions, CUDA-graph replay).
-        self._cache_asked = cache is not None and cache is not False
+        # A folder named in compile_step or in $PIMM_FN_STEP_CACHE was asked for: failing to use it
+        # warns. The default folder fails silently (the step compiles as without a cache).
+        self._cache_asked = cache not in (None, False) or (cache is None and step_cache.asked_by_environment())
         self.cache_dir = None if eager or (cache is None and not fullgraph) else step_cache.resolve_dir(cache)
         self.cache_path: Optional[str] = None
         self.loaded_from_cache = False
