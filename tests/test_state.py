@@ -243,3 +243,19 @@ def test_parameters_with_requires_grad_off_warn_unless_frozen():
 def test_create_names_wrong_seeds_and_loss_scales(kw, says):
     with pytest.raises(TypeError, match=says):
         TrainState.create(Net(), adamw(1e-3), **kw)
+
+
+def test_replacing_params_with_other_names_is_refused_with_the_names():
+    from pimm_fn import optim
+    from pimm_fn.models import MLPClassifier
+
+    state = TrainState.create(MLPClassifier(4, 3, hidden=(8,)), optim.adamw(1e-3), seed=0)
+    params = dict(state.params)
+    first = next(iter(params))
+    dropped = {k: v for k, v in params.items() if k != first}
+    with pytest.raises(ValueError, match=rf"missing \['{first}'\].*TrainState.create"):
+        state.replace(params=dropped)
+    with pytest.raises(ValueError, match=r"not in the state \['extra'\]"):
+        state.replace(params={**params, "extra": torch.zeros(1)})
+    same = state.replace(params={k: v + 1 for k, v in params.items()})  # new values, same names: fine
+    assert same.params.keys() == params.keys()
