@@ -1,6 +1,6 @@
 """Inductor / CPU knobs for the compiled supervised step, measured interleaved in one run.
 
-    python benchmarks/knobs.py [--models mlp,pointseg] [--rounds 4] [--steps 4] [--autotune]
+    python benchmarks/knobs.py [--models mlp,pointseg] [--rounds 4] [--steps 4] [--autotune] [--threads N]
 
 Each knob is a separate ``compile_step(step, options=...)`` of the same step (its own
 dynamo cache), all trained from the same state on the same batches, round-robin, so
@@ -45,7 +45,11 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--autotune", action="store_true", help="also max-autotune with CPU GEMM templates (slow compile)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "knobs.json"))
+    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads (default: 2)")
     args = ap.parse_args(argv)
+    if args.threads < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     knobs = dict(KNOBS, **(AUTOTUNE if args.autotune else {}))
     report = {"machine": machine_info(), "command": "python benchmarks/knobs.py " + " ".join(argv or sys.argv[1:]),
               "models": {}}
@@ -96,5 +100,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
     main()
