@@ -77,7 +77,8 @@ def compiled(tmp_path_factory):
     users have it by default (the suite turns it off elsewhere): a step whose core is a bound
     method compiles without it (it crashed on its first call)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PIMM_FN_STEP_CACHE", str(tmp_path_factory.mktemp("steps")))
+        mp.delenv("PIMM_FN_STEP_CACHE", raising=False)  # the default folder, under a fresh cache home
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache_home")))
         step = compile_step(grpo(**STEP_KW))
         step(make_state(ref=True), make_batch())  # the first call decides the cache
     return step
