@@ -354,6 +354,7 @@ def test_a_dynamic_step_is_loaded_and_serves_every_batch_size_without_compiling(
     batches = [_batch(16, seed=0), _batch(10, seed=1)]
     first = compile_step(steps.supervised(), dynamic=True, cache=tmp_path)
     state_a, _ = _run(first, _state(), batches)
+    assert first.compile_count == 1, first.recompile_reasons  # dynamo's restarted trace is not a compile
     again = compile_step(steps.supervised(), dynamic=True, cache=tmp_path)
     state_b, _ = _run(again, _state(), batches)
     assert again.loaded_from_cache and again.compile_count == 0, again.recompile_reasons

@@ -431,12 +431,14 @@ def is_guard_failure(err: BaseException) -> bool:
 @attrs.frozen
 class Precompiled:
     """What :func:`precompiled_step` found: the step (None: compile as without a cache),
-    its artifact's path, whether it was loaded, and the example batch's shapes."""
+    its artifact's path, whether it was loaded, the example batch's shapes, and the graphs
+    dynamo counted for a trace it restarted (not compiles of the step)."""
 
     fn: object
     path: Optional[pathlib.Path]
     loaded: bool
     first_shapes: object
+    discarded: int = 0
 
 
 def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.Path], *, dynamic,
@@ -483,7 +485,9 @@ def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.
         dynamic = False
     compiled = torch.compile(core, fullgraph=True, dynamic=dynamic, options=patches or None)
     fn = None
+    discarded = 0
     for attempt in range(2):
+        graphs = torch_compat.compiled_graph_count()
         try:
             with torch_compat.step_tracing_config():
                 fn = compiled.aot_compile(((inner, batch), {}))
@@ -493,6 +497,7 @@ def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.
             # precompile API does not, so restart it once.
             if attempt:
                 raise
+            discarded = torch_compat.compiled_graph_count() - graphs
         except Exception as err:  # not precompilable: compile as without a cache
             if directory is None:
                 raise
@@ -504,7 +509,7 @@ def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.
                  "compiles as usual, and the next process compiles it again", RuntimeWarning)
             return Precompiled(None, None, False, first_shapes)
     if path is None:
-        return Precompiled(fn, path, False, first_shapes)
+        return Precompiled(fn, path, False, first_shapes, discarded)
     try:
         save(fn, path)
         prune(directory, keep=path)
@@ -514,4 +519,4 @@ def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.
         if not quiet:
             warn(f"could not save the compiled step to {directory} ({type(err).__name__}: {err}); "
                  "the next process compiles it again", RuntimeWarning)
-    return Precompiled(fn, path, False, first_shapes)
+    return Precompiled(fn, path, False, first_shapes, discarded)

@@ -109,6 +109,7 @@ class CompiledStep:
         self._called = False
         self._points_marked = False  # the first point batch's dims were marked unbacked
         self._precompiled = None  # the cached step, until its guards reject an input
+        self._discarded = 0  # graphs of a restarted trace, left out of the next count
         self._first_shapes = None  # the cached step's example batch shapes
         self._restride: Optional[tuple] = None  # state leaves handed back in other strides (found once)
         self._regions: Optional[CompiledRegions] = None
@@ -162,7 +163,8 @@ class CompiledStep:
                 new_state, metrics, graphs = self._dispatch(state, batch, first, graphs)
         finally:
             _CALLS -= 1
-        compiled = 0 if graphs is None else torch_compat.compiled_graph_count() - graphs
+        compiled = 0 if graphs is None else torch_compat.compiled_graph_count() - graphs - self._discarded
+        self._discarded = 0
         if compiled:
             if first and self._regions is not None:
                 breaks = torch_compat.graph_break_count() - breaks
@@ -227,6 +229,7 @@ class CompiledStep:
             start = time.perf_counter()
             found = self._precompile(state, batch)
             self._use_precompiled(found, time.perf_counter() - start if found.loaded else None)
+            self._discarded = found.discarded  # this call's count of graphs leaves them out
 
     def _precompile(self, state: TrainState, batch) -> step_cache.Precompiled:
         """The step compiled by the precompile API (without running it), or from the cache."""
@@ -288,6 +291,7 @@ class CompiledStep:
                  f"{str(err).splitlines()[0][:200] if str(err) else ''}); compiling in the foreground",
                  RuntimeWarning)
             return
+        compiled -= found.discarded
         self.compile_count += compiled
         self._use_precompiled(found, seconds if compiled or found.loaded else None)
 
