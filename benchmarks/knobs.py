@@ -45,7 +45,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--autotune", action="store_true", help="also max-autotune with CPU GEMM templates (slow compile)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "knobs.json"))
-    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="torch threads (default: 2)")
+    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
+                    help="torch threads (default: 2, or 1 on a 1-core machine)")
     args = ap.parse_args(argv)
     if args.threads < 1:
         ap.error(f"--threads must be >= 1, got {args.threads}")

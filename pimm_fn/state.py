@@ -173,15 +173,17 @@ class TrainState:
     def replace(self, **changes) -> "TrainState":
         """A new state with ``changes``; traceable inside ``torch.compile(fullgraph=True)``.
 
-        New ``params`` must name the same tensors as the old (the optimizer state and the
-        model's structure are keyed by them); another model needs ``TrainState.create``."""
+        New ``params`` must name the same tensors as the old (the optimizer state is keyed by
+        them), unless the same call replaces ``opt_state`` too (model surgery that keeps step,
+        rng and cursor)."""
         params = changes.get("params")
-        if isinstance(params, dict) and isinstance(self.params, dict) and params.keys() != self.params.keys():
+        if isinstance(params, dict) and "opt_state" not in changes and isinstance(self.params, dict) \
+                and params.keys() != self.params.keys():
             missing, extra = sorted(self.params.keys() - params.keys()), sorted(params.keys() - self.params.keys())
             raise ValueError(
                 f"TrainState.replace(params=...) names other parameters than the state: missing {missing[:5]}, "
                 f"not in the state {extra[:5]} (first five of each); keep every key (the optimizer state is "
-                "keyed by them), or build a new state with TrainState.create")
+                "keyed by them), replace opt_state in the same call, or build a new state with TrainState.create")
         return _replace(self, changes)
 
     def __init_subclass__(cls, **kwargs):

@@ -71,6 +71,7 @@ def main():
     ap.add_argument("--slow-save-at", type=int, default=None)
     ap.add_argument("--sleep", type=float, default=0.1)
     ap.add_argument("--model", choices=("mlp", "ptv3"), default="mlp")
+    ap.add_argument("--tb-thread", action="store_true", help="TensorBoard on its writer thread (a device run's way)")
     args = ap.parse_args()
     saving = {"step": None}
 
@@ -99,7 +100,7 @@ def main():
         init, loader, step = make_state(seed=0), build_loader(), step_fn
     callbacks = [
         report,
-        TensorBoard(os.path.join(args.run_dir, "tb"), sync_every=3),
+        TensorBoard(os.path.join(args.run_dir, "tb"), sync_every=3, background=True if args.tb_thread else None),
         TextLog(args.run_dir),
         Checkpoint(os.path.join(args.run_dir, "ckpt"), every_steps=5, every_epochs=1, keep_last=2),
     ]

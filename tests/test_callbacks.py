@@ -143,6 +143,20 @@ def test_tensorboard_writes_a_cpu_run_on_the_training_thread_and_a_device_run_on
         TensorBoard(tmp_path, background="yes")
 
 
+def test_tensorboard_keeps_the_order_when_a_second_run_changes_the_writing_thread(tmp_path):
+    start = ev.TrainStart(step=0, epoch=0, position=0, samples_seen=0, epochs=1, iters_per_epoch=1, resumed=False)
+    off_cpu = make_state().replace(params={k: v.to("meta") for k, v in make_state().params.items()})
+    tb = TensorBoard(tmp_path)
+    tb.on_train_start(start, off_cpu)  # a device run: its writes queue on the writer thread
+    for s in range(1, 40):
+        tb.add_scalar("x", s, s)
+    tb.on_train_start(start, make_state())  # a CPU run with the same callback writes inline
+    tb.add_scalar("x", 99, 99)
+    tb._close()
+    steps = [e.step for e in _event_records(tmp_path) if e.HasField("summary")]
+    assert steps == list(range(1, 40)) + [99]
+
+
 def test_tensorboard_writer_error_surfaces_on_the_training_thread(tmp_path):
     tb = TensorBoard(tmp_path, sync_every=1, background=True)
     tb._open()

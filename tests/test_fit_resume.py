@@ -90,7 +90,9 @@ def test_sigkill_at_random_steps_resumes_bitwise(tmp_path):
             start = proc.wait_for(lambda line: line.startswith("START"))
             hit = proc.wait_for(lambda line: line.startswith("IN_SAVE"))
         else:
-            proc = _Proc(run_dir)
+            # The first run writes TensorBoard on its writer thread, as a device run does (a CPU
+            # run's default writes on the training thread): both must hold every step once.
+            proc = _Proc(run_dir, *(["--tb-thread"] if not starts else []))
             start = proc.wait_for(lambda line: line.startswith("START"))
             hit = proc.wait_for(_step_at_least(at))
         assert hit is not None, f"the run ended before the planned kill ({kind} {at}):\n" + "\n".join(proc.log)

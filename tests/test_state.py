@@ -259,3 +259,7 @@ def test_replacing_params_with_other_names_is_refused_with_the_names():
         state.replace(params={**params, "extra": torch.zeros(1)})
     same = state.replace(params={k: v + 1 for k, v in params.items()})  # new values, same names: fine
     assert same.params.keys() == params.keys()
+    # model surgery: new params with their own optimizer state in one call keep step, rng, cursor
+    grown = {**params, "extra": torch.zeros(1)}
+    swapped = state.replace(params=grown, opt_state=state.tx.init(grown))
+    assert "extra" in swapped.params and swapped.rng == state.rng

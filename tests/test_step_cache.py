@@ -281,6 +281,9 @@ def test_the_cache_is_on_by_default_for_a_whole_step_and_the_environment_turns_i
         assert off.cache_dir is None
     monkeypatch.setenv("PIMM_FN_STEP_CACHE", str(tmp_path / "mine"))
     assert compile_step(core).cache_dir == tmp_path / "mine"
+    # CUDA-graph steps keep the cache off unless compile_step itself is given one
+    assert compile_step(core, mode="reduce-overhead").cache_dir is None
+    assert compile_step(core, mode="reduce-overhead", cache=tmp_path / "cg").cache_dir == tmp_path / "cg"
     monkeypatch.setenv("PIMM_FN_STEP_CACHE", "off")
     assert compile_step(core).cache_dir is None
     assert compile_step(core, cache=True).cache_dir == tmp_path / "pimm_fn" / "steps"
@@ -294,6 +297,29 @@ def test_a_cache_folder_the_environment_names_but_cannot_hold_warns_and_names_no
     with pytest.warns(RuntimeWarning, match="could not save the compiled step to .*a_file/steps"):
         state, _ = _run(step, _state(), [_batch(seed=0), _batch(seed=1)])
     assert int(state.step) == 2 and step.cache_path is None and not step.loaded_from_cache
+
+
+class _Counter:
+    """A step whose core is a bound method (as GRPO's is): the precompile API cannot save it."""
+
+    def core(self, state, batch):
+        return state.replace(step=state.step + 1), {"total": batch["x"].sum()}
+
+
+def test_a_step_the_cache_cannot_hold_warns_only_when_compile_step_was_given_the_cache(tmp_path, monkeypatch):
+    import warnings
+
+    from pimm_fn.compile import Step
+
+    monkeypatch.setenv("PIMM_FN_STEP_CACHE", str(tmp_path / "env"))  # a setting for every step: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        quiet = compile_step(Step(_Counter().core, name="counter"))
+        quiet(_state(), _batch())
+    assert quiet.cache_path is None and int(quiet(_state(), _batch())[0].step) == 1
+    asked = compile_step(Step(_Counter().core, name="counter"), cache=tmp_path / "arg")
+    with pytest.warns(RuntimeWarning, match="bound method"):
+        asked(_state(), _batch())
 
 
 class _PointHead(torch.nn.Module):

@@ -87,6 +87,7 @@ class TensorBoard(_Buffered):
 
     def on_train_start(self, event, state):
         if self.background is None:
+            self._wait()  # what an earlier run handed over is written before the way may change
             self._threaded = not all_on_cpu(state)
         super().on_train_start(event, state)
 
@@ -122,7 +123,7 @@ class TensorBoard(_Buffered):
             time.sleep(0.05)
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
-        """Write one scalar, after every row handed over before it (on the writer thread)."""
+        """Write one scalar, after every row handed over before it (on the writer thread, if any)."""
         self._write(step, {tag: float(value)})
 
     def _event(self, step: int, wall: float, tags: tuple, values) -> bytes:

@@ -61,21 +61,24 @@ _ENV = "PIMM_FN_STEP_CACHE"
 _OFF = ("0", "off", "false", "no", "none")
 
 
+def _env_folder():
+    """``$PIMM_FN_STEP_CACHE``: None when unset, False when it turns the cache off, else the folder."""
+    raw = os.environ.get(_ENV, "").strip()
+    if not raw:
+        return None
+    return False if raw.lower() in _OFF else pathlib.Path(raw).expanduser()
+
+
 def auto_dir() -> Optional[pathlib.Path]:
     """The folder a step uses when compile_step's ``cache`` is left None: ``$PIMM_FN_STEP_CACHE``
     (``off`` disables the cache) or :func:`default_dir`."""
-    raw = os.environ.get(_ENV, "").strip()
-    if not raw:
-        return default_dir()
-    if raw.lower() in _OFF:
-        return None
-    return pathlib.Path(raw).expanduser()
+    folder = _env_folder()
+    return default_dir() if folder is None else (folder or None)
 
 
 def asked_by_environment() -> bool:
     """Whether ``$PIMM_FN_STEP_CACHE`` names a folder (a choice, unlike the default folder)."""
-    raw = os.environ.get(_ENV, "").strip()
-    return bool(raw) and raw.lower() not in _OFF
+    return bool(_env_folder())
 
 
 def resolve_dir(cache) -> Optional[pathlib.Path]:
@@ -442,13 +445,16 @@ class Precompiled:
 
 
 def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.Path], *, dynamic,
-                     patches: dict, settings: str, quiet: bool = False) -> Precompiled:
+                     patches: dict, settings: str, asked: Optional[str] = "argument") -> Precompiled:
     """The step from the cache, or compiled now through dynamo's precompile API and saved there.
 
     directory: None compiles without the cache (nothing loaded or saved): the precompile
         API compiles without running the step, which a background compile needs.
-    quiet: the cache is on by default rather than asked for; a step that cannot be saved
-        then compiles as without a cache, silently.
+    asked: who asked for the cache. None: nobody (the default folder), so a step that cannot
+        be saved compiles as without a cache, silently. ``"environment"``
+        (``$PIMM_FN_STEP_CACHE``): a folder that cannot hold the step warns; a step that
+        cannot be cached compiles silently (the setting is for every step). ``"argument"``
+        (``compile_step(cache=...)``): both warn.
     """
     inner = state.replace(rng=None, cursor=None)
     first_shapes = shapes_of(batch)
@@ -457,7 +463,7 @@ def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.
     if inspect.ismethod(core) and directory is not None:
         # The precompile API saves a bound method's function, whose signature then asks for
         # `self` on every call (GRPO's core): such a step compiles as without the cache.
-        if not quiet:
+        if asked == "argument":
             warn(f"the step's core {core.__qualname__} is a bound method, which the step cache cannot save; "
                  "it compiles as usual, and the next process compiles it again", RuntimeWarning)
         return Precompiled(None, None, False, first_shapes)
@@ -501,22 +507,26 @@ def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.
         except Exception as err:  # not precompilable: compile as without a cache
             if directory is None:
                 raise
-            if quiet or torch_compat.is_data_dependent_error(err):
+            if asked != "argument" or torch_compat.is_data_dependent_error(err):
                 # (a model reading a point count: compile_step retries with guarded sizes, and says so)
-                return Precompiled(None, None, False, first_shapes)
+                return Precompiled(None, None, False, first_shapes, discarded)
             first_line = str(err).splitlines()[0] if str(err) else ""
             warn(f"the step cannot be saved to the cache ({type(err).__name__}: {first_line}); it "
                  "compiles as usual, and the next process compiles it again", RuntimeWarning)
-            return Precompiled(None, None, False, first_shapes)
+            return Precompiled(None, None, False, first_shapes, discarded)
     if path is None:
         return Precompiled(fn, path, False, first_shapes, discarded)
     try:
         save(fn, path)
-        prune(directory, keep=path)
-    except Exception as err:  # a read-only or full disk: run without saving
-        if not path.exists():
-            path = None  # nothing saved: no artifact to name
-        if not quiet:
+    except Exception as err:  # a read-only or full disk: run without saving (naming no artifact)
+        if asked:
             warn(f"could not save the compiled step to {directory} ({type(err).__name__}: {err}); "
                  "the next process compiles it again", RuntimeWarning)
+        return Precompiled(fn, None, False, first_shapes, discarded)
+    try:
+        prune(directory, keep=path)
+    except OSError as err:  # saved; only the folder's bound could not be kept this time
+        if asked:
+            warn(f"could not remove old compiled steps from {directory} ({type(err).__name__}: {err})",
+                 RuntimeWarning)
     return Precompiled(fn, path, False, first_shapes, discarded)

@@ -87,9 +87,9 @@ class CompiledStep:
         self.fullgraph = fullgraph
         # Left None, the cache follows $PIMM_FN_STEP_CACHE for a whole-step compile and is
         # off where it cannot serve (eager, regions, CUDA-graph replay).
-        # A folder named in compile_step or in $PIMM_FN_STEP_CACHE was asked for: failing to use it
-        # warns. The default folder fails silently (the step compiles as without a cache).
-        self._cache_asked = cache not in (None, False) or (cache is None and step_cache.asked_by_environment())
+        # Who asked for the cache decides what warns (step_cache.precompiled_step's `asked`).
+        self._cache_asked = "argument" if cache not in (None, False) else \
+            "environment" if cache is None and step_cache.asked_by_environment() else None
         self.cache_dir = None if eager or (cache is None and not fullgraph) else step_cache.resolve_dir(cache)
         self.cache_path: Optional[str] = None
         self.loaded_from_cache = False
@@ -116,7 +116,7 @@ class CompiledStep:
         self._patches = mode_patches(mode, dynamic, options)
         # CUDA graphs (reduce-overhead, max-autotune): see _run_whole.
         self._cudagraphs = not eager and bool(self._patches.get("triton.cudagraphs"))
-        if self._cudagraphs and not self._cache_asked:
+        if self._cudagraphs and cache is None:  # only an explicit cache=... keeps it for CUDA graphs
             self.cache_dir = None
         if self._cudagraphs and background:
             raise ValueError(f"compile_step(background=True, mode={mode!r}): CUDA-graph replay is not supported "
@@ -235,7 +235,7 @@ class CompiledStep:
         """The step compiled by the precompile API (without running it), or from the cache."""
         found = step_cache.precompiled_step(
             self.step.core, self.step.name, state, batch, self.cache_dir,
-            dynamic=self._dynamic, patches=self._patches, settings=self._settings, quiet=not self._cache_asked)
+            dynamic=self._dynamic, patches=self._patches, settings=self._settings, asked=self._cache_asked)
         if found.fn is not None and self._points_marked:
             # A saved step's guards reject marked inputs: its unbacked point dims are in
             # the artifact, and this batch runs through it like any later one.
