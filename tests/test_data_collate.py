@@ -174,3 +174,27 @@ def test_point_collate_makes_inverse_index_the_batch_and_adds_origin_offset():
         assert torch.equal(batch["origin_segment"][starts[i]:batch["origin_offset"][i]], s["origin_segment"])
     merged = mix3d(batch)  # pairs of clouds become one: original points merge alike
     assert merged["origin_offset"].tolist() == [800, 1000] and merged["offset"].tolist()[-1] == batch["offset"][-1]
+
+
+def test_samples_with_other_keys_widths_or_dtypes_are_named_in_either_order():
+    from pimm_fn.data.collate import collate
+
+    labelled = {"coord": torch.rand(5, 3), "segment": torch.zeros(5, dtype=torch.long)}
+    bare = {"coord": torch.rand(4, 3)}
+    for batch in ([bare, labelled], [labelled, bare]):  # one order dropped the labels silently
+        with pytest.raises(ValueError, match=r"sample 1 has keys .* every sample of a batch needs the same keys"):
+            point_collate(batch)
+    with pytest.raises(ValueError, match=r"sample 1: feat is .*\(6,\).*same feature width"):
+        point_collate([{"coord": torch.rand(5, 3), "feat": torch.rand(5, 4)},
+                       {"coord": torch.rand(3, 3), "feat": torch.rand(3, 6)}])
+    with pytest.raises(ValueError, match=r"feat is torch.float64"):  # would promote the batch
+        point_collate([{"coord": torch.rand(5, 3), "feat": torch.rand(5, 4)},
+                       {"coord": torch.rand(3, 3), "feat": torch.rand(3, 4, dtype=torch.float64)}])
+    with pytest.raises(ValueError, match=r"missing \['y'\]"):
+        collate([{"x": torch.zeros(2), "y": 1}, {"x": torch.zeros(2)}])
+
+
+def test_an_inverse_map_outside_its_cloud_is_refused():
+    cloud = {"coord": torch.rand(5, 3), "inverse": torch.tensor([0, 1, 7])}
+    with pytest.raises(ValueError, match=r"inverse map names points 0..7 of a cloud of 5"):
+        point_collate([cloud])

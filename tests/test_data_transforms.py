@@ -107,3 +107,36 @@ def test_pad_to_bucket():
     assert (p["segment"][n:] == -1).all() and torch.equal(p["offset"], b["offset"])
     with pytest.raises(ValueError, match="largest bucket"):
         pad_points_to_bucket(b, (16,))
+
+
+def test_integer_coordinates_are_refused_where_a_transform_would_truncate_them():
+    g = torch.Generator().manual_seed(0)
+    voxels = {"coord": torch.tensor([[10, 20, 30], [40, 50, 60]])}
+    for t in (T.random_scale((0.9, 1.1)), T.random_jitter(), T.random_rotate()):
+        with pytest.raises(TypeError, match="needs floating-point coord, got torch.int64"):
+            t(voxels, g)
+    assert torch.equal(T.random_flip()(voxels, g)["coord"].abs(), voxels["coord"])  # exact on integers
+    with pytest.raises(ValueError, match="axis must be 'x', 'y' or 'z'"):
+        T.random_rotate(axis="w")
+    with pytest.raises(ValueError, match="max_points must be an int >= 1"):
+        T.crop_points(-1)
+    for t in (T.center_shift(), T.grid_sample(0.1)):
+        with pytest.raises(ValueError, match="a cloud with no points"):
+            t({"coord": torch.zeros(0, 3)}, g)
+
+
+def test_the_inverse_map_of_test_sampling_follows_later_transforms_or_refuses_them():
+    g = torch.Generator().manual_seed(0)
+    cloud = {"coord": torch.rand(60, 3, generator=g), "segment": torch.randint(0, 3, (60,), generator=g)}
+    once = T.grid_sample(0.2, "test")(cloud, g)
+    with pytest.raises(ValueError, match="dropping points after grid_sample"):
+        T.crop_points(3)(once, g)
+    # a permutation keeps every point: the map follows it
+    perm = torch.randperm(once["coord"].shape[0], generator=g)
+    moved = T.select_points(once, perm)
+    assert torch.equal(moved["coord"][moved["inverse"]], once["coord"][once["inverse"]])
+    # a second test sampling composes the maps: every original point names its final representative
+    twice = T.grid_sample(0.5, "test")(once, g)
+    again = T.grid_sample(0.5, "test")({k: v for k, v in once.items() if k != "inverse"}, g)
+    assert torch.equal(twice["inverse"], again["inverse"][once["inverse"]])
+    assert twice["inverse"].numel() == 60 and torch.equal(twice["origin_segment"], cloud["segment"])

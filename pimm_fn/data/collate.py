@@ -64,6 +64,11 @@ def collate(batch: Sequence) -> Any:
     if isinstance(elem, float):
         return torch.tensor(batch, dtype=torch.float64)
     if isinstance(elem, Mapping):
+        for i, d in enumerate(batch[1:], 1):
+            if not isinstance(d, Mapping):
+                raise ValueError(f"{_sample_label(d, i)} is a {type(d).__name__}, sample 0 a mapping: "
+                                 "every sample of a batch needs the same structure")
+            _check_keys(d, elem, i)
         out = {}
         for key in elem:
             if key.startswith("_"):
@@ -107,7 +112,38 @@ def _validate_point_sample(sample: Mapping, i: int) -> int:
         off = _as_tensor(sample["offset"]).reshape(-1)
         if off.numel() != 1 or int(off[0]) != n:
             raise ValueError(f"{label}: per-sample offset {off.tolist()} != point count {n}")
+    if "inverse" in sample:
+        inverse = _as_tensor(sample["inverse"])
+        if inverse.numel() and (int(inverse.min()) < 0 or int(inverse.max()) >= n):
+            raise ValueError(
+                f"{label}: its inverse map names points {int(inverse.min())}..{int(inverse.max())} of a cloud of {n}; "
+                "a transform after grid_sample(mode='test') changed the points without it")
     return n
+
+
+def _check_keys(sample: Mapping, first: Mapping, i: int) -> None:
+    """The same public keys as the batch's first sample (a key only some samples have
+    would be dropped from the batch, or fail with a bare KeyError)."""
+    keys, want = {k for k in sample if not k.startswith("_")}, {k for k in first if not k.startswith("_")}
+    if keys != want:
+        raise ValueError(
+            f"{_sample_label(sample, i)} has keys {sorted(keys)} but {_sample_label(first, 0)} has {sorted(want)}: "
+            f"every sample of a batch needs the same keys (missing {sorted(want - keys)}, extra {sorted(keys - want)})")
+
+
+def _check_alike(sample: Mapping, first: Mapping, i: int) -> None:
+    """:func:`_check_keys`, and per-point keys of the same width and dtype (else the batch
+    fails with torch's concatenation error, or is silently promoted)."""
+    _check_keys(sample, first, i)
+    for key in POINT_KEYS:
+        if key in sample:
+            a, b = _as_tensor(sample[key]), _as_tensor(first[key])
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (a.shape[1:] != b.shape[1:]
+                                                                                or a.dtype != b.dtype):
+                raise ValueError(
+                    f"{_sample_label(sample, i)}: {key} is {a.dtype} with rows of shape {tuple(a.shape[1:])}, "
+                    f"{_sample_label(first, 0)}'s is {b.dtype} {tuple(b.shape[1:])}; every cloud of a batch needs "
+                    "the same feature width and dtype")
 
 
 def validate_point_batch(batch: Mapping) -> None:
@@ -195,6 +231,8 @@ def _with_offsets(samples: Sequence[Mapping]) -> list:
         if not isinstance(s, Mapping):
             raise TypeError(f"{_sample_label(s, i)}: a point sample must be a dict, got {type(s).__name__}")
         n = _validate_point_sample(s, i)
+        if i:
+            _check_alike(s, samples[0], i)
         d = dict(s)
         d["offset"] = torch.tensor([n], dtype=torch.int64)
         out.append(d)

@@ -35,10 +35,42 @@ def to_tensors(sample: Sample, g: Optional[torch.Generator] = None) -> Sample:
 
 
 def select_points(sample: Sample, index: torch.Tensor) -> Sample:
-    """Keep the points ``index`` (a long index or bool mask) in every per-point key."""
+    """Keep the points ``index`` (a long index or bool mask) in every per-point key.
+
+    An ``inverse`` (grid_sample's test mode: each original point's kept point) follows the
+    points it names; a selection that drops one of them is refused, since original points
+    would then map to no prediction."""
     sample = to_tensors(sample)
     n = sample["coord"].shape[0]
-    return {k: (v[index] if _is_point_key(k, v, n) else v) for k, v in sample.items()}
+    out = {k: (v[index] if _is_point_key(k, v, n) else v) for k, v in sample.items()}
+    if "inverse" in sample:
+        kept = torch.arange(n)[index]
+        position = torch.full((n,), -1, dtype=torch.int64)
+        position[kept] = torch.arange(kept.numel())
+        inverse = position[_t(sample["inverse"])]
+        if (inverse < 0).any():
+            raise ValueError(
+                f"dropping points after grid_sample(mode='test') would leave {int((inverse < 0).sum())} original "
+                "point(s) of its inverse map with no point to take a prediction from; crop or drop points "
+                "before grid_sample, or evaluate the cloud whole")
+        out["inverse"] = inverse
+    return out
+
+
+def _check_not_empty(coord: torch.Tensor, name: str) -> None:
+    if coord.shape[0] == 0:
+        raise ValueError(f"{name} got a cloud with no points (coord shape {tuple(coord.shape)}); drop empty "
+                         "clouds in the dataset, or crop less")
+
+
+def _float_coord(sample: Sample, name: str) -> torch.Tensor:
+    coord = _t(sample["coord"])
+    if not coord.is_floating_point():
+        raise TypeError(
+            f"{name} needs floating-point coord, got {coord.dtype} (scaling or rotating integer "
+            "coordinates truncates them): convert coord with .float() in the dataset; voxel indices "
+            "belong in grid_coord")
+    return coord
 
 
 def compose(*transforms: Transform) -> Transform:
@@ -57,6 +89,7 @@ def center_shift(apply_z: bool = True) -> Transform:
 
     def t(sample, g):
         coord = _t(sample["coord"])
+        _check_not_empty(coord, "center_shift")
         lo, hi = coord.min(0).values, coord.max(0).values
         shift = (lo + hi) / 2
         if not apply_z:
@@ -68,9 +101,12 @@ def center_shift(apply_z: bool = True) -> Transform:
 
 def random_rotate(angle: tuple = (-math.pi, math.pi), axis: str = "z", p: float = 1.0) -> Transform:
     """Rotate coord (and normal) about ``axis`` by a uniform angle in ``angle`` radians."""
+    if axis not in ("x", "y", "z"):
+        raise ValueError(f"random_rotate: axis must be 'x', 'y' or 'z', got {axis!r}")
     ax = "xyz".index(axis)
 
     def t(sample, g):
+        _float_coord(sample, "random_rotate")
         if torch.rand((), generator=g) >= p:
             return sample
         theta = float(angle[0] + (angle[1] - angle[0]) * torch.rand((), generator=g, dtype=torch.float64))
@@ -92,7 +128,7 @@ def random_scale(scale: tuple = (0.9, 1.1), anisotropic: bool = False) -> Transf
     """Multiply coord by a uniform factor (one per axis when anisotropic)."""
 
     def t(sample, g):
-        coord = _t(sample["coord"])
+        coord = _float_coord(sample, "random_scale")
         k = 3 if anisotropic else 1
         f = scale[0] + (scale[1] - scale[0]) * torch.rand(k, generator=g)
         return {**sample, "coord": coord * f.to(coord.dtype)}
@@ -120,7 +156,7 @@ def random_jitter(sigma: float = 0.01, clip: float = 0.05) -> Transform:
     """Add clipped Gaussian noise to every coordinate."""
 
     def t(sample, g):
-        coord = _t(sample["coord"])
+        coord = _float_coord(sample, "random_jitter")
         noise = (torch.randn(coord.shape, generator=g) * sigma).clamp_(-clip, clip)
         return {**sample, "coord": coord + noise.to(coord.dtype)}
 
@@ -142,7 +178,9 @@ def grid_sample(grid_size: float, mode: str = "train") -> Transform:
 
     def t(sample, g):
         sample = to_tensors(sample)
+        prior = sample.pop("inverse", None)  # a grid_sample before this one: composed below
         coord = sample["coord"]
+        _check_not_empty(coord, "grid_sample")
         n = coord.shape[0]
         cell = torch.floor((coord - coord.min(0).values) / grid_size).to(torch.int64)
         _, voxel = torch.unique(cell, dim=0, return_inverse=True)
@@ -157,11 +195,12 @@ def grid_sample(grid_size: float, mode: str = "train") -> Transform:
         keep = torch.sort(rep_point).values
         out = select_points(sample, keep)
         out["grid_coord"] = cell[keep]
-        if mode == "test":
+        if mode == "test" or prior is not None:
             slot = torch.empty(m, dtype=torch.int64)
             slot[voxel[keep]] = torch.arange(keep.numel())
-            out["inverse"] = slot[voxel]
-            if "segment" in sample:
+            # each point's kept point; after an earlier grid_sample, each original point's
+            out["inverse"] = slot[voxel] if prior is None else slot[voxel][prior]
+            if "segment" in sample and "origin_segment" not in sample:
                 out["origin_segment"] = sample["segment"]
         return out
 
@@ -196,6 +235,8 @@ def crop_points(max_points: int, mode: str = "random") -> Transform:
     centroid ("center"), or a random subset ("subsample")."""
     if mode not in ("random", "center", "subsample"):
         raise ValueError(f"unknown crop mode {mode!r}")
+    if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 1:
+        raise ValueError(f"crop_points: max_points must be an int >= 1, got {max_points!r}")
 
     def t(sample, g):
         sample = to_tensors(sample)
