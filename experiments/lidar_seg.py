@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from pimm_fn import recipes
+from pimm_fn.amp import as_autocast
 from pimm_fn.data import LidarBlocks, build_eval_loader, build_train_loader
 from pimm_fn.data import transforms as T
 from pimm_fn.experiment import Run
@@ -69,9 +70,10 @@ def build(settings: dict, ctx) -> Run:
     # Pointcept's param_dicts: the head gets its own peak lr; every group cycles beta1.
     tx = recipes.adamw_one_cycle(total, s["lr"], weight_decay=s["weight_decay"], pct_start=s["pct_start"],
                                  groups=[{"keyword": "head", "lr": s["head_lr"], "name": "head"}])
-    amp = s["amp"] or None
+    amp = as_autocast(s["amp"] or None)  # "fp16" / "half" are float16 too (an unknown name fails here)
+    half = amp is not None and amp.torch_dtype() == torch.float16
     # On the run's device (ctx.device: cuda:LOCAL_RANK on a GPU machine), as are the batches.
-    state = TrainState.create(model, tx, seed=s["seed"], loss_scale=(amp == "float16"), device=ctx.device)
+    state = TrainState.create(model, tx, seed=s["seed"], loss_scale=half, device=ctx.device)
     step = recipes.supervised_step(clip_grad=s["clip_grad"], autocast=amp, compile=s["compile"])
     return Run(state=state, loader=train_loader, step=step, epochs=s["epochs"],
                evaluate=recipes.segmentation_eval(val_loader, _INPUT_KEYS, LidarBlocks.num_classes,

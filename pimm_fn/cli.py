@@ -205,7 +205,7 @@ def train(args) -> int:
     from . import checkpoint as ckpt
     from . import distributed
     from .callbacks import resume as resume_state
-    from .fit import fit
+    from .fit import History, fit
 
     module = load_experiment(args.experiment)
     settings = experiment_settings(module, args.overrides, quick=args.quick)
@@ -223,9 +223,11 @@ def train(args) -> int:
     run = module.build(settings, ctx)
     callbacks, record = _standard_callbacks(run, save, ctx_dist.is_main, not args.no_progress)
     state = run.state
+    history = History()  # a resumed run's checkpoints carry the whole run's step metrics, not only this process's
     if args.resume:
         try:
-            state = resume_state(save / "checkpoints", state, loader=run.loader, callbacks=callbacks, step=run.step)
+            state = resume_state(save / "checkpoints", state, loader=run.loader, callbacks=callbacks, step=run.step,
+                                 history=history)
         except ckpt.CheckpointError as err:
             path = ckpt.CheckpointDir(save / "checkpoints").latest() or save / "checkpoints"
             raise _checkpoint_error(err, path, args.experiment, settings, save,
@@ -249,7 +251,7 @@ def train(args) -> int:
     start = time.perf_counter()
     with distributed.guard():
         result = fit(state, run.loader, run.step, epochs=run.epochs, callbacks=callbacks,
-                     iters_per_epoch=run.iters_per_epoch)
+                     iters_per_epoch=run.iters_per_epoch, history=history)
     if ctx_dist.is_main:
         summary = _write_report(run, result, save, record, settings, time.perf_counter() - start)
         shown = summary.get("final_eval") or summary.get("final_train") or {}

@@ -209,6 +209,11 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
             assert torch.equal(va, vb), f"{path} differs after SIGKILL at step {killed_at} + resume"
         else:
             assert va == vb, path
+    # the resumed run's last checkpoint carries every step's metrics, the killed process's included
+    from pimm_fn.checkpoint import CheckpointDir, restore
+
+    _, extra = restore(CheckpointDir(killed / "checkpoints").latest(), b)
+    assert extra["history"]["steps"].tolist() == list(range(1, 21))
 
 
 def test_lidar_full_resolution_eval_batches_blocks_with_the_same_miou(tmp_path):
@@ -275,3 +280,13 @@ def test_frog_seg_names_an_unknown_model():
     settings = {**experiment_settings(mod, quick=True), "model": "ptv2"}
     with pytest.raises(ValueError, match="model must be one of pointseg, ptv3.*--set model=ptv3"):
         mod.make_model(settings, None)
+
+
+def test_lidar_seg_scales_the_loss_for_every_float16_name(tmp_path):
+    from pimm_fn.experiment import RunContext, experiment_settings, load_experiment
+
+    mod = load_experiment("lidar_seg")
+    for amp, scaled in (("fp16", True), ("half", True), ("float16", True), ("bfloat16", False), ("", False)):
+        settings = {**experiment_settings(mod, quick=True), "compile": False, "amp": amp}
+        run = mod.build(settings, RunContext(save_path=tmp_path, quick=True))
+        assert (run.state.loss_scale is not None) is scaled, amp
