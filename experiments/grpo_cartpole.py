@@ -21,6 +21,7 @@ import torch
 
 from pimm_fn import optim
 from pimm_fn.compile import compile_step
+from pimm_fn.distributed import grad_transform
 from pimm_fn.experiment import Run
 from pimm_fn.models.policies import CategoricalMLPPolicy
 from pimm_fn.state import TrainState
@@ -158,6 +159,7 @@ def build(settings: dict, ctx) -> Run:
         sample=EpisodeSampler(s["max_steps"]), group_size=s["group_size"], advantage="step",
         gamma=s["gamma"], policy_updates=s["policy_updates"], microbatch_size=s["microbatch_size"],
         clip_low=s["clip"], clip_high=s["clip"], reduction="token",
+        grad_transform=grad_transform(),  # under torchrun: every rank applies the mean gradient
     )
     if s["compile"]:
         step = compile_step(step)  # the rollout stays eager on the host; the update core compiles

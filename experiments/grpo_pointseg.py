@@ -19,6 +19,7 @@ from pimm_fn import optim
 from pimm_fn.compile import compile_step
 from pimm_fn.data import LidarBlocks, build_eval_loader, build_train_loader
 from pimm_fn.data import transforms as T
+from pimm_fn.distributed import grad_transform
 from pimm_fn.experiment import Run
 from pimm_fn.metrics import intersection_and_union, segmentation_scores
 from pimm_fn.models.policies import PointLabelPolicy
@@ -137,9 +138,15 @@ def build(settings: dict, ctx) -> Run:
     s = settings
     torch.manual_seed(s["seed"])
     train = LidarBlocks("train")
-    loader = build_train_loader(train, batch_size=s["batch_size"], seed=s["seed"],
-                                transform=_transform(s["grid_size"], "train"),
-                                iters_per_epoch=2 if ctx.quick else None)
+
+    def train_loader(rank=0, world_size=1):
+        return build_train_loader(train, batch_size=s["batch_size"], seed=s["seed"],
+                                  transform=_transform(s["grid_size"], "train"),
+                                  iters_per_epoch=2 if ctx.quick else None, rank=rank, world_size=world_size)
+
+    # Under torchrun each rank rolls out its own share of the blocks (the pretraining
+    # below sees them all on every rank, so every rank starts from the same policy).
+    loader = train_loader(ctx.rank, ctx.world_size)
     val_loader = build_eval_loader(LidarBlocks("val"), batch_size=s["batch_size"],
                                    transform=_transform(s["grid_size"], "test"))
     # LayerNorm: the policy's log-probs do not depend on batch statistics, so the first
@@ -147,7 +154,7 @@ def build(settings: dict, ctx) -> Run:
     policy = PointLabelPolicy(in_channels=4, num_classes=NUM_CLASSES, width=s["width"], norm="layer")
     if s["pretrain_steps"]:
         pre = TrainState.create(policy, optim.adamw(lr=s["pretrain_lr"], weight_decay=0.01), seed=s["seed"])
-        pre = pretrain(pre, loader, s["pretrain_steps"])
+        pre = pretrain(pre, train_loader(), s["pretrain_steps"])
         with torch.no_grad():
             for k, v in policy.named_parameters():
                 v.copy_(pre.params[k])
@@ -162,7 +169,8 @@ def build(settings: dict, ctx) -> Run:
     step = grpo(sample=sample_labellings, reward=make_reward(s["reward"]), group_size=s["group_size"],
                 advantage="step" if per_point else "grpo", gamma=0.0 if per_point else 1.0,
                 policy_updates=s["policy_updates"], microbatch_size=s["microbatch_size"],
-                clip_low=s["clip"], clip_high=s["clip"], kl_coef=s["kl_coef"])
+                clip_low=s["clip"], clip_high=s["clip"], kl_coef=s["kl_coef"],
+                grad_transform=grad_transform())  # under torchrun: every rank applies the mean gradient
     if s["compile"]:
         step = compile_step(step)  # the rollout stays eager on the host; the update core compiles
     return Run(state=state, loader=loader, step=step, epochs=s["epochs"],

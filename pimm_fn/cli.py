@@ -154,11 +154,13 @@ def _checkpoint_error(err, path, experiment: str, settings: dict, run_folder: Op
     return CliError(f"cannot restore {path}: {_one_line(err)}", retry)
 
 
-def _standard_callbacks(run: Run, save: Path, is_main: bool, progress: bool):
-    from .callbacks import Checkpoint, ProgressBar, StopOnNonFinite, TensorBoard, TextLog
+def _standard_callbacks(run: Run, save: Path, is_main: bool, progress: bool, world_size: int = 1):
+    from .callbacks import Checkpoint, ProgressBar, RanksInSync, StopOnNonFinite, TensorBoard, TextLog
     from .report import MetricsRecord
 
     cbs: list = [StopOnNonFinite(check_every=10)]
+    if world_size > 1:  # every rank: a collective
+        cbs.append(RanksInSync())
     evaluator = run.evaluator()
     if evaluator is not None:
         cbs.append(evaluator)
@@ -221,7 +223,7 @@ def train(args) -> int:
     ctx = RunContext(save_path=save, device=ctx_dist.device, rank=ctx_dist.rank,
                      world_size=ctx_dist.world_size, quick=args.quick)
     run = module.build(settings, ctx)
-    callbacks, record = _standard_callbacks(run, save, ctx_dist.is_main, not args.no_progress)
+    callbacks, record = _standard_callbacks(run, save, ctx_dist.is_main, not args.no_progress, ctx_dist.world_size)
     state = run.state
     history = History()  # a resumed run's checkpoints carry the whole run's step metrics, not only this process's
     if args.resume:

@@ -94,6 +94,27 @@ def test_grpo_two_ranks_equal_one_process_on_the_global_batch(tmp_path):
         assert r["compile_count"] == 1 and r["compiled_vs_eager"] < 1e-5, r
 
 
+def test_ranks_in_sync_names_different_starting_weights_and_a_step_that_does_not_average(tmp_path):
+    rc, out, _ = torchrun("dp_in_sync.py", tmp_path)
+    _ok(rc, out)
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"in_sync_rank{rank}.json").read_text())
+        assert r["averaged"] == "ok"
+        assert r["seeded_per_rank"].startswith("the ranks start step 0 from different weights"), r
+        assert r["not_averaged"].startswith("the ranks' weights differ after step 1, the run's first"), r
+
+
+def test_the_grpo_experiment_trains_one_model_on_two_ranks(tmp_path):
+    # Its gradients were not averaged: each rank trained a model of its own, without an error.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           "-m", "pimm_fn", "train", "grpo_cartpole", "--quick", "--set", "compile=false", "--no-progress",
+           "--save-path", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    _ok(proc.returncode, proc.stdout + proc.stderr)
+    assert "completed at step 3" in proc.stdout, proc.stdout[-2000:]
+    # (the old experiment failed here with "RankDivergenceError: the ranks' weights differ after step 1")
+
+
 def test_two_rank_checkpoint_restored_on_two_ranks_continues_exactly(tmp_path):
     rc, out, _ = torchrun("dp_resume.py", tmp_path, "full")
     _ok(rc, out)

@@ -10,7 +10,7 @@ import importlib
 _WHERE = {
     "Callback": ".base", "due": ".base", "on": ".base",
     "Checkpoint": ".checkpointing", "restore_latest": ".checkpointing", "resume": ".checkpointing",
-    "EarlyStopping": ".control", "StopOnNonFinite": ".control",
+    "EarlyStopping": ".control", "RanksInSync": ".control", "StopOnNonFinite": ".control",
     "Evaluate": ".evaluation",
     "TensorBoard": ".tensorboard", "TextLog": ".logging", "WandB": ".logging",
     "ProgressBar": ".progress",

@@ -1,4 +1,5 @@
-"""Callbacks that end a run: on a non-finite loss, or when a metric stops improving."""
+"""Callbacks that end a run: on a non-finite loss, when a metric stops improving, or when
+data-parallel ranks no longer hold the same weights."""
 from __future__ import annotations
 
 import math
@@ -102,3 +103,35 @@ class EarlyStopping(Callback):
             if self.metric not in event.metrics:
                 raise KeyError(f"EarlyStopping: the epoch averages are {sorted(event.metrics)}, not {self.metric!r}")
             return self._see(float(event.metrics[self.metric]), event.step)
+
+
+class RanksInSync(Callback):
+    """Data parallel: check that every rank holds bitwise the same params when the run
+    starts, after its first step and when it ends (a collective each time, so every rank
+    must have it). Catches ranks that built their models from different seeds, and a step
+    that does not average gradients (``grad_transform``), which otherwise train separate
+    models without an error. Raises :class:`pimm_fn.distributed.RankDivergenceError`.
+    Nothing to do in one process."""
+
+    def __init__(self):
+        self._first: Optional[int] = None
+
+    def _check(self, state, when: str) -> None:
+        from ..distributed import RankDivergenceError, assert_in_sync
+
+        try:
+            assert_in_sync(state.params)
+        except RankDivergenceError as err:
+            raise RankDivergenceError(f"{when}: {err}") from None
+
+    def on_train_start(self, event, state):
+        self._first = event.step + 1
+        self._check(state, f"the ranks start step {event.step} from different weights (seed the model the "
+                           "same on every rank, or restore every rank from one checkpoint)")
+
+    def on_step_end(self, event, state):
+        if event.step == self._first:
+            self._check(state, f"the ranks' weights differ after step {event.step}, the run's first")
+
+    def on_train_end(self, event, state):
+        self._check(state, f"the ranks' weights differ at the end of the run (step {event.step})")

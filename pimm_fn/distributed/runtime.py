@@ -275,7 +275,7 @@ _PEER_FAILURE_HINTS = (
 
 
 def _peer_failure(e: BaseException) -> bool:
-    if isinstance(e, PeerLostError):
+    if isinstance(e, (PeerLostError, RankDivergenceError)):  # (the ranks agreed on that one)
         return False
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(e, dist_error):
