@@ -187,3 +187,21 @@ def test_iterable_cut_drop_last_and_resume(workers):
     second = loader()
     second.load_state_dict(state)
     assert_batches_equal(head + list(second.iter_epoch(1, 2)), full)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ({"batch_size": 2.7}, TypeError, "batch_size must be an int, got 2.7"),
+    ({"batch_size": True}, TypeError, "batch_size must be an int"),
+    ({"seed": 1.9}, TypeError, "seed must be an int"),
+    ({"seed": None}, TypeError, "seed must be an int"),
+    ({"seed": 2**64}, ValueError, r"seed must be in \[0, 9223372036854775808\)"),
+    ({"rank": 2, "world_size": 2}, ValueError, r"rank must be in \[0, 2\), got 2 \(the rank counts from 0"),
+    ({"iters_per_epoch": 0}, ValueError, "iters_per_epoch must be >= 1, got 0"),
+    ({"iters_per_epoch": -3}, ValueError, "iters_per_epoch must be >= 1"),
+    ({"shuffle": False}, TypeError, "build_train_loader sets shuffle itself.*build_eval_loader"),
+    ({"sampler": []}, TypeError, "sets sampler itself"),
+])
+def test_loader_arguments_that_would_be_truncated_or_fail_late_are_refused(bad, error, match):
+    data = SyntheticScenes(num_scenes=8, seed=0, points=(50, 60))
+    with pytest.raises(error, match=match):
+        build_train_loader(data, **{"batch_size": 2, **bad})

@@ -111,6 +111,17 @@ class _Keyed(torch.utils.data.Dataset):
         return sample
 
 
+def _check_int(name: str, value, minimum: int, below: Optional[int] = None) -> None:
+    """A loader argument that must be an int in [minimum, below): a float would be
+    truncated (2.7 samples a batch), a bool taken for 0 or 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum or (below is not None and value >= below):
+        bound = f"in [{minimum}, {below})" if below is not None else f">= {minimum}"
+        raise ValueError(f"{name} must be {bound}, got {value}"
+                         + (" (the rank counts from 0 and stays below world_size)" if name == "rank" else ""))
+
+
 class EpochLoader:
     """A train/eval loader over a map-style or iterable data set (see module docstring).
 
@@ -136,8 +147,13 @@ class EpochLoader:
         name: Optional[str] = None,
         **loader_kwargs,
     ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        _check_int("batch_size", batch_size, 1)
+        _check_int("seed", seed, 0, below=2**63)
+        _check_int("world_size", world_size, 1)
+        _check_int("rank", rank, 0, below=world_size)
+        _check_int("num_workers", num_workers, 0)
+        if iters_per_epoch is not None:
+            _check_int("iters_per_epoch", iters_per_epoch, 1)
         self.dataset = dataset
         self.name = dataset_name(dataset, name)
         self.batch_size, self.world_size, self.rank = int(batch_size), int(world_size), int(rank)
@@ -318,6 +334,10 @@ def build_train_loader(
         :class:`~pimm_fn.data.device.DeviceLoader` whose batches arrive there (pinned,
         non-blocking copies). None or a CPU device: the loader itself (batches stay on the CPU).
     """
+    fixed = sorted({"shuffle", "sampler", "batch_sampler"} & set(loader_kwargs))
+    if fixed:
+        raise TypeError(f"build_train_loader sets {', '.join(fixed)} itself (a resumable shuffle over the "
+                        "ranks); for data in a fixed order use build_eval_loader")
     if collate_fn is None:
         collate_fn = PointCollate(mix_prob)
     elif mix_prob:
