@@ -404,3 +404,20 @@ def test_a_training_mode_policys_batchnorm_statistics_come_back_in_the_new_state
     for k in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
         assert torch.allclose(new.buffers[k].float(), ref.state_dict()[k].float(), atol=1e-6), k
     assert int(new.buffers["bn.num_batches_tracked"]) == 1
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ({"group_size": 2.7}, TypeError, "group_size must be an int, got 2.7"),
+    ({"policy_updates": 1.5}, TypeError, "policy_updates must be an int"),
+    ({"microbatch_size": 2.5}, TypeError, "microbatch_size must be an int"),
+    ({"group_size": 1}, ValueError, "group_size must be >= 2, got 1: GRPO compares"),
+    ({"clip_low": -0.2}, ValueError, r"clip_low must be in \[0, 1\)"),
+    ({"clip_low": 1.5}, ValueError, r"clip_low must be in \[0, 1\)"),
+    ({"clip_high": -0.1}, ValueError, "clip_high must be >= 0"),
+    ({"kl_estimator": "k2"}, ValueError, "kl_estimator must be one of"),
+    ({"level": "bogus"}, ValueError, "level must be 'token' or 'sequence'"),
+    ({"level": "sequence", "reduction": "token"}, ValueError, "use reduction='sequence'"),
+])
+def test_settings_are_checked_when_the_step_is_built(bad, error, match):
+    with pytest.raises(error, match=match):
+        grpo(**{**STEP_KW, **bad})

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from .._validate import check_int
 from ..user_warning import warn
 from .collate import PointCollate, collate
 from .count import count_batch
@@ -111,17 +112,6 @@ class _Keyed(torch.utils.data.Dataset):
         return sample
 
 
-def _check_int(name: str, value, minimum: int, below: Optional[int] = None) -> None:
-    """A loader argument that must be an int in [minimum, below): a float would be
-    truncated (2.7 samples a batch), a bool taken for 0 or 1."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum or (below is not None and value >= below):
-        bound = f"in [{minimum}, {below})" if below is not None else f">= {minimum}"
-        raise ValueError(f"{name} must be {bound}, got {value}"
-                         + (" (the rank counts from 0 and stays below world_size)" if name == "rank" else ""))
-
-
 class EpochLoader:
     """A train/eval loader over a map-style or iterable data set (see module docstring).
 
@@ -147,13 +137,13 @@ class EpochLoader:
         name: Optional[str] = None,
         **loader_kwargs,
     ):
-        _check_int("batch_size", batch_size, 1)
-        _check_int("seed", seed, 0, below=2**63)
-        _check_int("world_size", world_size, 1)
-        _check_int("rank", rank, 0, below=world_size)
-        _check_int("num_workers", num_workers, 0)
+        check_int("batch_size", batch_size, 1)
+        check_int("seed", seed, 0, below=2**63)
+        check_int("world_size", world_size, 1)
+        check_int("rank", rank, 0, below=world_size, hint=" (the rank counts from 0 and stays below world_size)")
+        check_int("num_workers", num_workers, 0)
         if iters_per_epoch is not None:
-            _check_int("iters_per_epoch", iters_per_epoch, 1)
+            check_int("iters_per_epoch", iters_per_epoch, 1)
         self.dataset = dataset
         self.name = dataset_name(dataset, name)
         self.batch_size, self.world_size, self.rank = int(batch_size), int(world_size), int(rank)

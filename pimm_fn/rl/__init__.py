@@ -20,7 +20,7 @@ Shapes used throughout:
 * advantages: ``[N]`` (one per trajectory, broadcast over its steps) or ``[N, T]``.
 """
 from .advantages import grpo_advantages, rloo_advantages, rollout_metrics, step_advantages, validate_rewards
-from .losses import clipped_surrogate, grpo_loss, kl_k1, kl_k3
+from .losses import check_objective, clipped_surrogate, grpo_loss, kl_k1, kl_k3
 from .microbatch import Microbatch, combine_microbatches, combine_updates, microbatch_slices, reduce_across_ranks_op
 from .reductions import COUNT_KEY, masked_mean
 
@@ -34,6 +34,7 @@ __all__ = [
     "kl_k1",
     "kl_k3",
     "grpo_loss",
+    "check_objective",
     "rollout_metrics",
     "combine_microbatches",
     "combine_updates",

@@ -178,6 +178,25 @@ def kl_k3(
 _KL_ESTIMATORS = {"k1": kl_k1, "k3": kl_k3}
 
 
+def check_objective(clip_low: float, clip_high: float, kl_estimator: str, level: str, reduction: str) -> None:
+    """The GRPO loss's settings, checked once (a step builder calls it when the step is built):
+    the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``, so ``0 <= clip_low < 1`` and
+    ``clip_high >= 0``; a known KL estimator and level; sequence-level ratios average by sequence."""
+    for name, value in (("clip_low", clip_low), ("clip_high", clip_high)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+    if not 0.0 <= clip_low < 1.0:
+        raise ValueError(f"clip_low must be in [0, 1): the ratio is clipped below at 1 - clip_low, got {clip_low}")
+    if clip_high < 0.0:
+        raise ValueError(f"clip_high must be >= 0: the ratio is clipped above at 1 + clip_high, got {clip_high}")
+    if kl_estimator not in _KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {sorted(_KL_ESTIMATORS)}, got {kl_estimator!r}")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+    if level == "sequence" and reduction != "sequence":
+        raise ValueError("level='sequence' gives one ratio per trajectory: use reduction='sequence'")
+
+
 def grpo_loss(
     logp_new: torch.Tensor,
     logp_old: torch.Tensor,

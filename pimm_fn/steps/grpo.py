@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .. import rl
+from .._validate import check_int
 from ..amp import LossScaleConfig, as_autocast, renamed_loss_scale
 from ..compile import Step
 from ..data.device import to_device
@@ -350,15 +351,10 @@ def grpo(
     copies and move nothing.
     """
     renamed_loss_scale(loss_scale, "grpo")
-    if int(group_size) < 2:
-        raise ValueError(
-            f"group_size={group_size}: GRPO compares the G trajectories sampled for one input with "
-            "each other, so G = 1 leaves no group to compare against. Use group_size >= 2."
-        )
-    if int(policy_updates) < 1:
-        raise ValueError(f"policy_updates must be >= 1, got {policy_updates}")
-    if int(microbatch_size) < 0:
-        raise ValueError(f"microbatch_size must be >= 0 (0 = no splitting), got {microbatch_size}")
+    check_int("group_size", group_size, 2, hint=": GRPO compares the G trajectories sampled for one input with "
+              "each other, so G = 1 leaves no group to compare against")
+    check_int("policy_updates", policy_updates, 1)
+    check_int("microbatch_size", microbatch_size, 0, hint=" (0 = no splitting)")
     if not callable(advantage) and advantage not in _ADVANTAGES:
         raise ValueError(f"advantage must be one of {_ADVANTAGES} or a callable, got {advantage!r}")
     check_reduction(reduction, max_length)

@@ -131,6 +131,8 @@ def grpo_objective(
     without KL) and ``traj`` (the sliced per-trajectory tensors). Metrics should include
     ``count`` (units averaged over) for exact micro-batch combination.
     """
+    # Checked here, when the step is built, rather than at its first call.
+    rl.check_objective(clip_low, clip_high, kl_estimator, level, reduction)
 
     def loss(out, chunk, update_index):
         return rl.grpo_loss(
