@@ -163,8 +163,8 @@ def test_iterable_epoch_length_rules():
 
     with pytest.raises(ValueError, match="needs iters_per_epoch=... or a num_samples"):
         build_train_loader(NoLength(), batch_size=2)
-    with pytest.raises(ValueError, match=r"iters_per_epoch=0 <= 0"):
-        build_train_loader(SyntheticStream(5), batch_size=4, world_size=2)
+    with pytest.raises(ValueError, match=r"no full batch per epoch"):
+        build_train_loader(SyntheticStream(5, world_size=2), batch_size=4, world_size=2)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -205,3 +205,17 @@ def test_loader_arguments_that_would_be_truncated_or_fail_late_are_refused(bad, 
     data = SyntheticScenes(num_scenes=8, seed=0, points=(50, 60))
     with pytest.raises(error, match=match):
         build_train_loader(data, **{"batch_size": 2, **bad})
+
+
+@pytest.mark.parametrize("n, batch, workers, cap", [(64, 8, 2, None), (60, 8, 2, None), (8, 2, 0, 100), (64, 8, 2, 3)])
+def test_a_stream_counts_the_batches_its_workers_make(n, batch, workers, cap):
+    # Each worker drops its own partial last batch: a length over what the epoch yields ends
+    # every epoch early and leaves a schedule sized by len(loader) unfinished.
+    loader = build_train_loader(SyntheticStream(n, points=(20, 30)), batch_size=batch, num_workers=workers,
+                                iters_per_epoch=cap)
+    assert len(loader) == sum(1 for _ in loader.iter_epoch(0, 0))
+
+
+def test_a_stream_sharded_for_another_rank_is_refused():
+    with pytest.raises(ValueError, match="shards itself with rank=0 but the loader was built with rank=1"):
+        build_train_loader(SyntheticStream(64), batch_size=4, rank=1, world_size=2)

@@ -184,25 +184,36 @@ class EpochLoader:
             )
 
     def _iterable_len(self, iters_per_epoch: Optional[int]) -> int:
-        if iters_per_epoch:
-            val = int(iters_per_epoch)
-        else:
-            num_samples = getattr(self.dataset, "num_samples", None)
-            if not callable(num_samples):
+        """Full batches an epoch of the stream makes on this rank (capped by ``iters_per_epoch``).
+
+        With workers, each worker takes every ``num_workers``-th sample of the rank's share
+        (as the package's streams shard) and drops its own partial last batch, so the
+        count is per worker; a length over it would end every epoch early and leave
+        schedules sized by ``len(loader)`` unfinished."""
+        for attr, mine in (("rank", self.rank), ("world_size", self.world_size)):
+            theirs = getattr(self.dataset, attr, None)
+            if isinstance(theirs, int) and theirs != mine:
+                raise ValueError(
+                    f"iterable data set {self.name!r} shards itself with {attr}={theirs} but the loader was built "
+                    f"with {attr}={mine}: build the data set with the loader's rank and world_size (a stream "
+                    "picks its own share, so a mismatch gives ranks the same samples)")
+        num_samples = getattr(self.dataset, "num_samples", None)
+        if not callable(num_samples):
+            if not iters_per_epoch:
                 raise ValueError(
                     f"iterable data set {self.name!r} needs iters_per_epoch=... or a "
                     "num_samples() method to define the epoch length"
                 )
-            per_rank = int(num_samples()) // max(1, self.world_size)
-            val = per_rank // self.batch_size
-            if val <= 0:
-                raise ValueError(
-                    f"iterable data set {self.name!r}: iters_per_epoch={val} <= 0 "
-                    f"(num_samples()={num_samples()}, per rank {per_rank}, batch_size {self.batch_size})"
-                )
-        if val <= 0:
-            raise ValueError(f"iters_per_epoch must be > 0, got {val} for {self.name!r}")
-        return val
+            return int(iters_per_epoch)
+        per_rank = int(num_samples()) // self.world_size
+        workers = max(1, self.num_workers)
+        natural = sum((per_rank - w + workers - 1) // workers // self.batch_size for w in range(workers))
+        if natural <= 0:
+            raise ValueError(
+                f"iterable data set {self.name!r}: no full batch per epoch (num_samples()={num_samples()}, "
+                f"per rank {per_rank}, over {workers} worker(s), batch_size {self.batch_size}); use a smaller "
+                "batch or fewer workers")
+        return min(natural, int(iters_per_epoch)) if iters_per_epoch else natural
 
     def __len__(self) -> int:
         return self._len
