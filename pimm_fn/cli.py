@@ -85,6 +85,21 @@ def _run_marks(save: Path) -> list[str]:
     return marks + [name + "/" for name in RUN_DIRS if (save / name).is_dir()]
 
 
+def _check_save_path(save: Path) -> None:
+    """Refuse a run folder that cannot exist (a file, or a path under one) or whose nearest
+    existing folder is not writable, before anything is built."""
+    if save.exists() and not save.is_dir():
+        raise CliError(f"--save-path {save} is a file, not a folder", "pass a folder path")
+    existing = save
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CliError(f"--save-path {save} lies under the file {existing}", "pass a folder path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CliError(f"--save-path {save} cannot be written: {existing} is not writable",
+                       "pass a folder you can write to")
+
+
 def _clear_run(save: Path) -> int:
     """Delete what a run writes in ``save`` (see RUN_FILES / RUN_DIRS); returns the count.
 
@@ -215,6 +230,7 @@ def train(args) -> int:
     if args.resume and args.overwrite:
         raise CliError("--resume and --overwrite contradict each other (continue the run, or clear it)",
                        "pass one of them")
+    _check_save_path(save)  # before the data and the model are built
     marks = _run_marks(save)
     if marks and not (args.resume or args.overwrite):
         raise CliError(f"{save} already holds a run ({', '.join(marks)})",
@@ -248,7 +264,11 @@ def train(args) -> int:
         # Only now, with the run built and resumed, does the folder change.
         if args.overwrite and marks:
             print(f"pimm-fn: --overwrite: cleared {_clear_run(save)} files of the earlier run in {save}", flush=True)
-        save.mkdir(parents=True, exist_ok=True)
+        try:
+            save.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CliError(f"--save-path {save} cannot be made ({err.strerror})",
+                           "pass a folder you can write to") from None
         _write_json(save / "settings.json", {"experiment": args.experiment, **settings})
     start = time.perf_counter()
     with distributed.guard():

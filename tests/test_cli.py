@@ -298,3 +298,12 @@ def test_debug_shows_the_traceback():
     proc = pimm_fn("train", "digits_cls", "--set", "epochs=ten", "--debug")
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr and "SettingsError: setting 'epochs' is int" in proc.stderr, proc.stderr
+
+
+def test_a_save_path_that_cannot_be_a_folder_is_refused_before_anything_is_built(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for save, says in ((blocker, "is a file, not a folder"), (blocker / "run", f"lies under the file {blocker}")):
+        proc = pimm_fn("train", "lidar_seg", "--quick", "--save-path", save)
+        assert proc.returncode == 1 and says in error_line(proc) and "pass a folder path" in error_line(proc)
+        assert "Traceback" not in proc.stderr
