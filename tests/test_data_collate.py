@@ -198,3 +198,11 @@ def test_an_inverse_map_outside_its_cloud_is_refused():
     cloud = {"coord": torch.rand(5, 3), "inverse": torch.tensor([0, 1, 7])}
     with pytest.raises(ValueError, match=r"inverse map names points 0..7 of a cloud of 5"):
         point_collate([cloud])
+
+
+def test_a_coord_that_is_not_n_by_3_is_named_as_such():
+    for coord in (torch.rand(5), torch.rand(5, 2)):
+        with pytest.raises(ValueError, match=r"sample 0: coord must be \[N, 3\]"):
+            point_collate([{"coord": coord}])
+    with pytest.raises(ValueError, match="has zero points"):
+        point_collate([{"coord": torch.zeros(0, 3)}])

@@ -91,7 +91,10 @@ def _validate_point_sample(sample: Mapping, i: int) -> int:
         raise ValueError(f"{label} has no 'coord' key; point samples need coord [N,3] (samples that are not "
                          "point clouds: build the loader with collate_fn=pimm_fn.data.image_collate, or your own)")
     coord = _as_tensor(sample["coord"])
-    if coord.dim() != 2 or coord.shape[0] == 0:
+    if not isinstance(coord, torch.Tensor) or coord.dim() != 2 or coord.shape[1] != 3:
+        shape = tuple(coord.shape) if isinstance(coord, torch.Tensor) else type(coord).__name__
+        raise ValueError(f"{label}: coord must be [N, 3] (one xyz row per point), got {shape}")
+    if coord.shape[0] == 0:
         raise ValueError(
             f"{label} has zero points (coord shape {tuple(coord.shape)}); drop empty clouds "
             "in the dataset or raise the crop / grid size"
