@@ -421,3 +421,24 @@ def test_a_training_mode_policys_batchnorm_statistics_come_back_in_the_new_state
 def test_settings_are_checked_when_the_step_is_built(bad, error, match):
     with pytest.raises(error, match=match):
         grpo(**{**STEP_KW, **bad})
+
+
+def test_a_rollout_without_observations_or_with_a_vector_metric_is_named():
+    def no_obs(policy, batch, group_size):
+        ro = sample(policy, batch, group_size)
+        return Rollout(traj={k: v for k, v in ro.traj.items() if k != "obs"})
+
+    with pytest.raises(ValueError, match=r"no 'obs'\) and Rollout.shared is None"):
+        grpo(**{**STEP_KW, "sample": no_obs})(make_state(ref=True), make_batch())
+
+    def vector_metric(policy, batch, group_size):
+        return sample(policy, batch, group_size)._replace(metrics={"returns": torch.ones(3)})
+
+    with pytest.raises(ValueError, match=r"Rollout.metrics\['returns'\] has shape \(3,\)"):
+        grpo(**{**STEP_KW, "sample": vector_metric})(make_state(ref=True), make_batch())
+
+
+def test_restoring_a_run_with_a_reference_policy_into_a_plain_state_names_with_reference(tmp_path):
+    checkpoint.save(tmp_path / "ref.ckpt", make_state(ref=True))
+    with pytest.raises(checkpoint.CheckpointMismatchError, match=r"Only state.extra differs.*with_reference\(like\)"):
+        checkpoint.restore(tmp_path / "ref.ckpt", make_state())

@@ -194,10 +194,17 @@ def restore(path: Union[str, os.PathLike], like: TrainState) -> tuple[TrainState
             parts.append(f"Shape mismatches ({len(shapes)}), name: checkpoint shape vs model shape:" + _listing(shapes))
         if kinds:
             parts.append(f"Type mismatches ({len(kinds)}):" + _listing(kinds))
-        parts.append(
-            "To load only the weights of a different model, use import_seed_checkpoint() "
-            "with a state_dict, which skips mismatches with a warning."
-        )
+        if not shapes and not kinds and all(k[6:].startswith("extra/") for k in missing + unexpected):
+            # Only state.extra differs: the run kept something beside its params (GRPO's
+            # reference policy under extra/grpo_ref, with kl_coef > 0).
+            parts.append(
+                "Only state.extra differs: build the state to restore into as the saved run built it "
+                "(a GRPO run with a KL term: pimm_fn.steps.grpo.with_reference(like)).")
+        else:
+            parts.append(
+                "To load only the weights of a different model, use import_seed_checkpoint() "
+                "with a state_dict, which skips mismatches with a warning."
+            )
         err = CheckpointMismatchError("\n".join(parts))
         # the differences one by one, for callers that word their own message (the CLI)
         err.differences = ([f"{k[6:]}: missing in the checkpoint" for k in missing]

@@ -162,6 +162,10 @@ class GRPOStep(Step):
             _validate_step_rewards(rewards)
         else:
             rl.validate_rewards(rewards, (n // g, g))
+        for k, v in dict(ro.metrics).items():
+            if torch.as_tensor(v).numel() != 1:
+                raise ValueError(f"Rollout.metrics[{k!r}] has shape {tuple(torch.as_tensor(v).shape)}; a metric is "
+                                 "one number (average it over the rollout, e.g. returns.mean())")
         metrics = {k: torch.as_tensor(v).detach().float().reshape(()) for k, v in dict(ro.metrics).items()}
         ro = ro._replace(rewards=rewards.detach().float(), metrics=metrics)
         # Rewards and trajectories made on the host (an environment, numpy) go where the

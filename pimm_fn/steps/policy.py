@@ -98,6 +98,11 @@ def categorical_log_prob(policy: PolicyFn, shared, traj: dict) -> dict:
 
     Returns ``{"logp": like actions, "entropy": like actions}``.
     """
+    if "obs" not in traj and shared is None:
+        raise ValueError(
+            f"the rollout has no observations to score: traj has {sorted(traj)} (no 'obs') and Rollout.shared "
+            "is None; put per-trajectory inputs in traj['obs'], or one input per event in Rollout(shared=...), "
+            "or pass grpo(log_prob=...) for another layout")
     table = policy(traj["obs"]) if "obs" in traj else policy(shared)
     actions = traj["actions"]
     entropy = -(table.exp() * table).sum(-1)
