@@ -19,7 +19,8 @@ Iterable (streaming) data: the data set shards itself over ranks and workers; th
 is cut at ``iters_per_epoch`` (or ``num_samples() // world_size // batch_size``).
 Mid-epoch resume restores the StatefulDataLoader state saved by ``state_dict`` when it
 matches (epoch, start); otherwise it calls ``dataset.set_epoch(epoch)`` (if present) and
-skips ``start`` batches, which is exact for a stream that is a pure function of its epoch.
+skips ``start`` batches, which is exact for a stream that is a pure function of its epoch
+(and not of the worker count).
 """
 from __future__ import annotations
 
@@ -268,7 +269,9 @@ class EpochLoader:
 
         Map-style loaders need nothing (the Cursor positions them). A state saved with a
         different worker count or world size is dropped: the iterable then falls back to
-        set_epoch + skipping, which is exact for epoch-deterministic streams.
+        set_epoch + skipping, which is exact only when the stream's order does not depend on
+        them (a stream sharded over its workers interleaves them differently, so the skipped
+        batches are not the ones the saved run made: samples repeat or go missing).
 
         A loader whose batch size, seed or epoch length differs from the saved one would put
         other samples at the saved position: mid-epoch that is a ValueError (the epoch would
@@ -281,7 +284,8 @@ class EpochLoader:
         if state.get("num_workers") != self.num_workers or state.get("world_size") != self.world_size:
             warn(f"{self.name!r}: loader state saved with num_workers={state.get('num_workers')}, "
                  f"world_size={state.get('world_size')}; now {self.num_workers}, {self.world_size}. "
-                 "Dropping it; resume skips batches instead.", UserWarning)
+                 "Dropping it; resume skips batches instead, which repeats or misses samples when the stream's "
+                 "order depends on them: resume with the saved values to continue exactly.", UserWarning)
             return
         self._pending = dict(state)
 
