@@ -118,9 +118,12 @@ class RanksInSync(Callback):
 
     def _check(self, state, when: str) -> None:
         from ..distributed import RankDivergenceError, assert_in_sync
+        from ..torch_compat import is_plain_eager_tensor
 
+        # Sharded (DTensor) params hold a different shard on every rank by design.
+        replicated = {k: v for k, v in state.params.items() if is_plain_eager_tensor(v)}
         try:
-            assert_in_sync(state.params)
+            assert_in_sync(replicated)
         except RankDivergenceError as err:
             raise RankDivergenceError(f"{when}: {err}") from None
 
