@@ -118,8 +118,10 @@ def test_integer_coordinates_are_refused_where_a_transform_would_truncate_them()
     assert torch.equal(T.random_flip()(voxels, g)["coord"].abs(), voxels["coord"])  # exact on integers
     with pytest.raises(ValueError, match="axis must be 'x', 'y' or 'z'"):
         T.random_rotate(axis="w")
-    with pytest.raises(ValueError, match="max_points must be an int >= 1"):
+    with pytest.raises(ValueError, match="max_points must be >= 1"):
         T.crop_points(-1)
+    with pytest.raises(TypeError, match="max_points must be an int"):
+        T.crop_points(2.5)
     for t in (T.center_shift(), T.grid_sample(0.1)):
         with pytest.raises(ValueError, match="a cloud with no points"):
             t({"coord": torch.zeros(0, 3)}, g)

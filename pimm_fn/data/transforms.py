@@ -14,6 +14,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from .._validate import check_int
+
 Sample = dict
 Transform = Callable[[Sample, torch.Generator], Sample]
 
@@ -235,8 +237,7 @@ def crop_points(max_points: int, mode: str = "random") -> Transform:
     centroid ("center"), or a random subset ("subsample")."""
     if mode not in ("random", "center", "subsample"):
         raise ValueError(f"unknown crop mode {mode!r}")
-    if isinstance(max_points, bool) or not isinstance(max_points, int) or max_points < 1:
-        raise ValueError(f"crop_points: max_points must be an int >= 1, got {max_points!r}")
+    max_points = check_int("crop_points: max_points", max_points, 1)
 
     def t(sample, g):
         sample = to_tensors(sample)
