@@ -94,6 +94,21 @@ def test_grpo_two_ranks_equal_one_process_on_the_global_batch(tmp_path):
         assert r["compile_count"] == 1 and r["compiled_vs_eager"] < 1e-5, r
 
 
+def test_grpo_ranks_with_unequal_work_train_the_one_process_model(tmp_path):
+    # Each rank's gradient is a mean over its own trajectories or tokens; the mean over ranks
+    # weights them by those counts (an equal-weight mean was 0.04 off with token reduction).
+    rc, out, _ = torchrun("dp_grpo_unequal.py", tmp_path)
+    _ok(rc, out)
+    one = subprocess.run([sys.executable, str(SCRIPTS / "dp_grpo_unequal.py"), str(tmp_path)], cwd=ROOT, env=_env(),
+                         capture_output=True, text=True, timeout=240)
+    _ok(one.returncode, one.stdout + one.stderr)
+    for reduction in ("token", "sequence", "constant"):
+        a = torch.load(tmp_path / f"grpo_unequal_{reduction}_W1.pt")
+        b = torch.load(tmp_path / f"grpo_unequal_{reduction}_W2.pt")
+        diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+        assert diff < 1e-5, (reduction, diff)
+
+
 def test_ranks_in_sync_names_different_starting_weights_and_a_step_that_does_not_average(tmp_path):
     rc, out, _ = torchrun("dp_in_sync.py", tmp_path)
     _ok(rc, out)

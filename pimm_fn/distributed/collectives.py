@@ -74,13 +74,27 @@ def all_reduce_gradients(grads: dict, ctx: Optional[DistContext] = None) -> dict
 def grad_transform(ctx: Optional[DistContext] = None) -> Callable[[dict], dict]:
     """``supervised(grad_transform=grad_transform())``: average gradients over ranks.
 
-    ctx is captured when the step is built (default: the current :func:`world`).
+    ctx is captured when the step is built (default: the current :func:`world`). The
+    transform also offers ``.weighted(grads, weight)``: the mean over ranks weighted by each
+    rank's ``weight`` (a 0-dim tensor: the trajectories or tokens its gradient averages
+    over), which a step whose ranks average over unequal counts uses to stay exact (GRPO).
     """
     ctx = world() if ctx is None else ctx
 
     def all_reduce_mean(grads: dict) -> dict:
         return all_reduce_gradients(grads, ctx)
 
+    def weighted(grads: dict, weight: torch.Tensor) -> dict:
+        if not ctx.is_distributed:
+            return grads
+        keys = list(grads)
+        weight = weight.to(device=grads[keys[0]].device, dtype=torch.float32).reshape(1)
+        reduced = bucketed_all_reduce([grads[k] * weight.to(grads[k].dtype) for k in keys] + [weight], "sum",
+                                      ctx.group)
+        total = reduced[-1]
+        return {k: g / total.to(g.dtype) for k, g in zip(keys, reduced[:-1])}
+
+    all_reduce_mean.weighted = weighted
     return all_reduce_mean
 
 

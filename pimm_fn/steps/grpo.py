@@ -36,6 +36,7 @@ writing a whole new variant from :mod:`pimm_fn.rl`.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -189,6 +190,14 @@ class GRPOStep(Step):
         if self.weight_by == "tokens" and mask is not None:
             counts = mask.to(torch.float32).sum(-1) if mask.dim() == 2 else mask.to(torch.float32)
         slices = rl.microbatch_slices(n, self.microbatch_size, group_size=g, counts=counts)
+        transform = self.grad_transform
+        weighted = getattr(transform, "weighted", None)
+        if weighted is not None:
+            # Each rank's gradient is a mean over its own trajectories (or tokens): weighted by
+            # those counts, the mean over ranks is the one-process gradient of the global batch.
+            units = counts.sum() if counts is not None else torch.tensor(
+                float(traj["logp_old"].numel() if self.weight_by == "tokens" else n))
+            transform = functools.partial(weighted, weight=units)
 
         params, opt_state, scaler, buffers = state.params, state.opt_state, state.loss_scale, state.buffers
         hyper = state.tx.hyperparams(state.opt_state) if state.tx.hyperparams is not None else {}
@@ -223,7 +232,7 @@ class GRPOStep(Step):
                 scales.append(scaler.scale)
             params, opt_state, finite, grad_norm, scaler = guarded_update(
                 state.tx, params, opt_state, grads, scaler=scaler, scaler_config=self.loss_scale_config,
-                clip_grad=self.clip_grad, grad_transform=self.grad_transform,
+                clip_grad=self.clip_grad, grad_transform=transform,
             )
             buffers = applied_buffers(finite, buffers, before)
             m = rl.combine_microbatches(outs)
@@ -346,8 +355,9 @@ def grpo(
         inf/NaN gradients is skipped and the scale backs off.
     grad_transform: ``grads -> grads`` applied to each update's gradients before the finite
         check and clipping (as for :func:`pimm_fn.steps.supervised`):
-        ``pimm_fn.distributed.grad_transform()`` averages them over ranks, and
-        ``distributed.wrap_step`` then reduces the metrics: GRPO data-parallel.
+        ``pimm_fn.distributed.grad_transform()`` averages them over ranks (weighted by each
+        rank's trajectories or tokens, through its ``weighted``, so unequal ranks stay exact),
+        and ``distributed.wrap_step`` then reduces the metrics: GRPO data-parallel.
 
     The update passes run the policy in the module's own mode: in training mode its
     BatchNorm statistics move on with each forward and come back in the new state (kept
