@@ -143,6 +143,9 @@ def test_dcp_save_restore_round_trip_single_process(tmp_path):
     assert not isinstance(plain.params["fc1.weight"], DTensor)
     assert torch.equal(plain.params["fc1.weight"], S.unshard(sh).params["fc1.weight"])
     S.save(tmp_path / "c", back)  # an existing checkpoint is replaced whole
+    # a folder given with a trailing slash: staged beside it, not inside the folder it replaces
+    assert S.save(f"{tmp_path / 'c'}/", sh) == str(tmp_path / "c")
+    assert int(S.restore(tmp_path / "c", _state())[0].step) == 1 and not (tmp_path / "c.old").exists()
     # an engine checkpoint file of a full state is read whole and sharded
     checkpoint.save(tmp_path / "full.pimm", S.unshard(sh))
     from_file, _ = S.restore(tmp_path / "full.pimm", _state())

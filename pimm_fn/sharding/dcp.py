@@ -58,7 +58,8 @@ def save(path, state: TrainState, extra: Any = None, ctx: Optional[D.DistContext
     are written once, from one rank: sync BatchNorm buffers (``sync_buffers=True``) if
     every rank's must be the saved ones. Returns the path."""
     ctx = D.world() if ctx is None else ctx
-    path = os.fspath(path)
+    # Normalised: "ck/" + ".partial" would stage inside the folder being replaced.
+    path = os.path.normpath(os.fspath(path))
     tmp = path + ".partial"
     if ctx.is_main and os.path.exists(tmp):
         shutil.rmtree(tmp)
