@@ -219,3 +219,15 @@ def test_a_stream_counts_the_batches_its_workers_make(n, batch, workers, cap):
 def test_a_stream_sharded_for_another_rank_is_refused():
     with pytest.raises(ValueError, match="shards itself with rank=0 but the loader was built with rank=1"):
         build_train_loader(SyntheticStream(64), batch_size=4, rank=1, world_size=2)
+
+
+def test_a_mid_epoch_state_from_another_world_size_is_refused_even_with_the_same_epoch_length():
+    data = SyntheticScenes(num_scenes=16, seed=0, points=(20, 30))
+    two = build_train_loader(data, batch_size=2, world_size=2, rank=0, iters_per_epoch=3)
+    it = two.iter_epoch(0, 0)
+    next(it), next(it)
+    state = two.state_dict()
+    one = build_train_loader(data, batch_size=2, iters_per_epoch=3)  # 3 batches an epoch too
+    assert len(one) == len(two) and 0 < state["position"] < len(two)
+    with pytest.raises(ValueError, match=r"world_size=2 \(now 1\).*reshard_cursor"):
+        one.load_state_dict(state)

@@ -256,7 +256,7 @@ class EpochLoader:
 
     def state_dict(self) -> dict:
         """The position, what decides which samples a position holds (batch size, seed,
-        batches an epoch) and, for iterable data, the StatefulDataLoader (worker) state."""
+        batches an epoch, world size) and, for iterable data, the StatefulDataLoader (worker) state."""
         sd = {"epoch": self._epoch, "position": self._position, "num_workers": self.num_workers,
               "world_size": self.world_size, "batch_size": self.batch_size, "seed": self.seed,
               "batches": self._len}
@@ -290,7 +290,9 @@ class EpochLoader:
         self._pending = dict(state)
 
     def _check_same_samples(self, state: dict) -> None:
-        now = {"batch_size": self.batch_size, "seed": self.seed, "batches": self._len}
+        # The world size too: with the same epoch length, another world size still puts
+        # other samples at the saved position (each rank takes every world_size-th sample).
+        now = {"batch_size": self.batch_size, "seed": self.seed, "batches": self._len, "world_size": self.world_size}
         changed = [f"{k}={state[k]} (now {v})" for k, v in now.items() if state.get(k) is not None and state[k] != v]
         if not changed:
             return
