@@ -59,3 +59,27 @@ def test_bad_ratios():
         MultiDatasetLoader([loader], [0])
     with pytest.raises(ValueError, match="'empty' is empty"):
         build_multi_loader([ds, SyntheticScenes(0, name="empty")], [1, 1], batch_size=2)
+
+
+def test_a_mix_whose_first_loader_has_no_whole_cycle_is_refused():
+    with pytest.raises(ValueError, match="fewer than its ratio 3: an epoch holds no whole cycle"):
+        make(ratios=(3, 1), sizes=(4, 20))
+
+
+def test_a_mid_epoch_state_with_other_ratios_is_refused_and_an_epoch_end_one_only_warns():
+    saved = make(ratios=(1, 2), sizes=(12, 20))
+    it = saved.iter_epoch(0, 0)
+    for _ in range(3):
+        next(it)
+    state = saved.state_dict()
+    assert (state["position"], state["ratios"]) == (3, [1, 2])
+    other = make(ratios=(2, 1), sizes=(12, 20))
+    with pytest.raises(ValueError, match=r"ratios=\[1, 2\] \(now \[2, 1\]\).*other data sets"):
+        other.load_state_dict(state)
+    make(ratios=(1, 2), sizes=(12, 20)).load_state_dict(state)  # the same mix: fine
+    for _ in it:
+        pass
+    ended = saved.state_dict()
+    assert ended["position"] == len(saved)
+    with pytest.warns(UserWarning, match="resumes at an epoch's start"):
+        other.load_state_dict(ended)

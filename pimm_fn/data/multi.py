@@ -13,6 +13,8 @@ import math
 from collections import Counter
 from typing import Iterator, Sequence
 
+from ..user_warning import warn
+
 
 class MultiDatasetLoader:
     """Mix the batches of ``loaders`` (each following the loader protocol) by ``ratios``."""
@@ -27,7 +29,13 @@ class MultiDatasetLoader:
         self.loaders, self.ratios = list(loaders), [int(r) for r in ratios]
         self.batch_size = self.loaders[0].batch_size
         self.world_size = self.loaders[0].world_size
+        if len(self.loaders) > 1 and len(self.loaders[0]) < self.ratios[0]:
+            raise ValueError(
+                f"the first loader makes {len(self.loaders[0])} batches an epoch, fewer than its ratio "
+                f"{self.ratios[0]}: an epoch holds no whole cycle, so the other data sets would never be drawn; "
+                "lower ratios[0], or use a smaller batch")
         self._schedule = self._build_schedule()
+        self._epoch, self._position = 0, 0
         counts = Counter(self._schedule)
         # own epochs each secondary loader needs per multi-epoch (its stride in epoch space)
         self._passes = [max(1, math.ceil(counts[i] / len(ld))) for i, ld in enumerate(self.loaders)]
@@ -52,6 +60,7 @@ class MultiDatasetLoader:
         if not 0 <= start <= len(self):
             raise ValueError(f"start {start} outside epoch of {len(self)} batches")
         consumed = Counter(self._schedule[:start])
+        self._epoch, self._position = epoch, start
         iters = {}
         positions = {i: consumed[i] for i in range(len(self.loaders))}
         for i in self._schedule[start:]:
@@ -65,15 +74,36 @@ class MultiDatasetLoader:
             if batch is None:
                 return  # a sub-loader ended early (exhausted iterable): end the epoch
             positions[i] = k + 1
+            self._position += 1
             yield batch
 
     def __iter__(self) -> Iterator:
         return self.iter_epoch(0, 0)
 
     def state_dict(self) -> dict:
-        return {"loaders": [ld.state_dict() for ld in self.loaders]}
+        """The position in the mixed epoch, the ratios and epoch length that decide which
+        loader each position draws from, and each loader's own state."""
+        return {"epoch": self._epoch, "position": self._position, "ratios": list(self.ratios),
+                "batches": len(self), "loaders": [ld.state_dict() for ld in self.loaders]}
 
     def load_state_dict(self, state: dict) -> None:
+        """Check a saved state against this mix and hand each loader its own (see
+        :meth:`EpochLoader.load_state_dict`). Other ratios or epoch length mid-epoch are a
+        ValueError: the saved position would stand for other batches of each data set."""
+        position, batches = state.get("position"), state.get("batches")
+        changed = [f"{k}={state[k]} (now {v})" for k, v in (("ratios", self.ratios), ("batches", len(self)))
+                   if state.get(k) is not None and state[k] != v]
+        mid_epoch = position is not None and batches is not None and 0 < position < batches
+        if changed and mid_epoch:
+            raise ValueError(
+                f"the checkpoint's MultiDatasetLoader had {', '.join(changed)}; the run stopped after batch "
+                f"{position} of epoch {state.get('epoch')}, and those batches would now come from other data sets: "
+                "build the loader as the checkpoint's run did, or resume from a checkpoint written at an epoch's end")
+        if changed:
+            warn(f"the checkpoint's MultiDatasetLoader had {', '.join(changed)}; the run resumes at an epoch's "
+                 "start and mixes other batches than the original from here on", UserWarning)
+        if position is not None and not mid_epoch:
+            return  # the next epoch opens every loader afresh: their saved positions say nothing
         for ld, sd in zip(self.loaders, state["loaders"]):
             ld.load_state_dict(sd)
 
