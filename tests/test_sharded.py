@@ -122,6 +122,20 @@ def test_mismatched_states_name_cause_and_fix(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="sharded state"):
         checkpoint.CheckpointDir(tmp_path / "run").save(other, step=1)
     assert not list((tmp_path / "run").glob("*.ckpt"))
+    # fit with a Checkpoint callback refuses a sharded state before its first step, not at
+    # the first save after the training it was to keep
+    from pimm_fn.callbacks import Checkpoint
+    from pimm_fn.fit import fit
+
+    ran = []
+
+    def counted(state, batch):
+        ran.append(1)
+        return S.sharded()(state, batch)
+
+    with pytest.raises(checkpoint.CheckpointError, match=r"sharded state .* pimm_fn.sharding.save"):
+        fit(S.shard(full), [_batch()] * 3, counted, epochs=1, callbacks=[Checkpoint(tmp_path / "fit")])
+    assert not ran
 
 
 def test_dcp_save_restore_round_trip_single_process(tmp_path):

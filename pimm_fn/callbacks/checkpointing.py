@@ -18,6 +18,7 @@ import torch
 
 from .. import checkpoint as ckpt
 from .. import events as ev
+from ..checkpoint import store
 from ..tree import all_on_cpu
 from ..user_warning import warn
 from .base import Callback, callback_name, check_every, due
@@ -165,8 +166,10 @@ class Checkpoint(Callback):
         return event_type is not ev.StepEnd or self.every_steps is not None
 
     def on_train_start(self, event, state):
-        # A folder that cannot hold checkpoints fails the run now, not at its last save.
+        # A folder that cannot hold checkpoints, or a sharded state it cannot write, fails
+        # the run now, not at its first save after the training it was to keep.
         self.dir.make()
+        store.refuse_sharded(state)
         self._loader, self._callbacks, self._history = event.loader, event.callbacks, event.history
         self._step_fn = event.step_fn
         self._evaluations = set()

@@ -48,7 +48,7 @@ def _flatten_state(state: TrainState):
 # --------------------------------------------------------------------------- save
 
 
-def _refuse_pieces(state: TrainState) -> None:
+def refuse_sharded(state: TrainState) -> None:
     """A checkpoint file holds full tensors. A sharded state (``pimm_fn.sharding``) holds
     DTensors whose local rows are one rank's part; written as is, it would restore as
     nothing anyone can use."""
@@ -77,7 +77,7 @@ def save(path: Union[str, os.PathLike], state: TrainState, extra: Any = None, *,
     """
     if sys.byteorder != "little":
         raise CheckpointError("checkpoints are little-endian; this platform is big-endian")
-    _refuse_pieces(state)
+    refuse_sharded(state)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
 
