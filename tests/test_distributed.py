@@ -147,6 +147,9 @@ def test_reshard_rounds_down_with_a_warning_otherwise():
 def test_reshard_same_world_is_unchanged_and_epoch_end_rolls_over():
     c = Cursor(epoch=1, position=3)
     assert D.reshard_cursor(c, {"world_size": 2, "batch_size": 4}, batch_size=4, world_size=2) is c
+    # a state that does not say the old run's layout (a MultiDatasetLoader's) is named, not a KeyError
+    with pytest.raises(ValueError, match=r"saved must say the old run's world_size.*got \['loaders'\]"):
+        D.reshard_cursor(c, {"loaders": []}, batch_size=4, world_size=1)
     rolled = D.reshard_cursor(Cursor(epoch=1, position=10), {"world_size": 2, "batch_size": 4},
                               batch_size=8, world_size=1, epoch_len=10)
     assert (rolled.epoch, rolled.position) == (2, 0)

@@ -167,6 +167,19 @@ def test_dcp_save_restore_round_trip_single_process(tmp_path):
     assert torch.equal(from_file.params["bn.bias"].to_local(), sh.params["bn.bias"].to_local())
 
 
+def test_a_mid_epoch_checkpoint_of_another_world_size_warns_about_the_cursor(tmp_path):
+    sh = S.shard(_state())
+    sh = sh.replace(cursor=sh.cursor.replace(position=3))
+    S.save(tmp_path / "c", sh)
+    from pimm_fn.sharding.dcp import HOST_FILE
+
+    meta = torch.load(tmp_path / "c" / HOST_FILE, weights_only=True)
+    torch.save({**meta, "world_size": 2}, tmp_path / "c" / HOST_FILE)  # as 2 ranks would have written it
+    with pytest.warns(UserWarning, match=r"written by 2 rank\(s\) in the middle of epoch 0.*reshard_cursor"):
+        back, _ = S.restore(tmp_path / "c", _state())
+    assert back.cursor.position == 3  # kept as saved: moving it needs the old run's batch size
+
+
 def test_restoring_into_a_mismatched_model_names_the_keys_and_the_fix(tmp_path):
     S.save(tmp_path / "c", S.shard(_state(hidden=15)))
     with pytest.raises(S.ShardingError, match=r"(?s)does not fit this state.*params/fc1.weight: checkpoint "

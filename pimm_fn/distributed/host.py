@@ -73,6 +73,11 @@ def reshard_cursor(cursor, saved: Mapping[str, int], *, batch_size: int,
         next epoch.
     """
     world_size = world().world_size if world_size is None else int(world_size)
+    if not isinstance(saved, Mapping) or not {"world_size", "batch_size"} <= set(saved):
+        found = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
+        raise ValueError(
+            f"reshard_cursor: saved must say the old run's world_size and per-rank batch_size "
+            f"(dist_meta(batch_size) of that run, or an EpochLoader's state_dict), got {found}")
     old_w, old_b = int(saved["world_size"]), int(saved["batch_size"])
     if (old_w, old_b) == (world_size, int(batch_size)):
         return cursor

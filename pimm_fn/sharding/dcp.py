@@ -24,6 +24,7 @@ from .. import distributed as D
 from ..atomic import atomic_write, replace_dir
 from ..state import TrainState
 from ..tree import NAMESPACE
+from ..user_warning import warn
 from .layout import ShardingError, is_sharded, shard
 
 __all__ = ["save", "restore", "HOST_FILE"]
@@ -154,7 +155,16 @@ def restore(path, like: TrainState, ctx: Optional[D.DistContext] = None, *,
     with _quiet_single_process():
         dcp.load(tensors, checkpoint_id=str(path), no_dist=not _live(ctx))
     new = [tensors[k] if isinstance(v, torch.Tensor) else host[k] for k, v in zip(keys, leaves)]
-    return optree.tree_unflatten(treedef, new), meta["extra"]
+    state = optree.tree_unflatten(treedef, new)
+    written_by = meta.get("world_size")
+    cursor = getattr(state, "cursor", None)
+    if written_by is not None and written_by != ctx.world_size and getattr(cursor, "position", 0):
+        warn(f"{path} was written by {written_by} rank(s) in the middle of epoch {cursor.epoch} (position "
+             f"{cursor.position}, counted in that run's batches); on {ctx.world_size} rank(s) move the cursor with "
+             f"pimm_fn.distributed.reshard_cursor(state.cursor, {{'world_size': {written_by}, 'batch_size': <its "
+             "per-rank batch>}, batch_size=...), or the epoch trains some samples twice and skips others",
+             UserWarning)
+    return state, meta["extra"]
 
 
 def _template(like: TrainState) -> TrainState:
