@@ -115,6 +115,13 @@ def test_mismatched_states_name_cause_and_fix(tmp_path):
         S.sharded()(other, _batch())
     with pytest.raises(S.ShardingError, match="already sharded"):
         S.shard(other)
+    # the data-parallel step names the sharded state instead of DTensor's "mixed torch.Tensor" error
+    from pimm_fn.compile import compile_step
+    from pimm_fn.steps import data_parallel
+
+    for step in (data_parallel(), compile_step(data_parallel(), cache=False)):
+        with pytest.raises(ValueError, match=r"got a sharded state .* pimm_fn.sharding.sharded"):
+            step(S.shard(full), _batch())
     # checkpoint.save (and so fit's Checkpoint callback) refuses DTensor shards and writes nothing
     with pytest.raises(checkpoint.CheckpointError, match=r"sharded state .* pimm_fn.sharding.save"):
         checkpoint.save(tmp_path / "raw.pimm", other)

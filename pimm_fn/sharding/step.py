@@ -87,4 +87,4 @@ def sharded(ctx: Optional[D.DistContext] = None, *, clip_grad: Optional[float] =
             check_labels(state.model, batch)
 
     step = Step(sharded_step, name="sharded", check_batch=labels_present)
-    return D.wrap_step(step, ctx, sync_buffers=sync_buffers, reduce=reduce, count_fn=count_fn)
+    return D.wrap_step(step, ctx, sync_buffers=sync_buffers, reduce=reduce, count_fn=count_fn, replicated=False)

@@ -7,6 +7,7 @@ still answers ``pimm_fn.distributed.data_parallel`` / ``wrap_step`` by a lazy fo
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -18,8 +19,15 @@ from ..distributed.collectives import bucketed_all_reduce
 from .supervised import supervised
 
 
+def _sharded(state) -> bool:
+    # No DTensor exists unless its module was imported: a plain run does not import it.
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and bool(state.params) and isinstance(next(iter(state.params.values())), tensor.DTensor)
+
+
 def wrap_step(step, ctx: Optional[DistContext] = None, *, sync_buffers: bool = False,
-              reduce: bool = True, count_fn: Optional[Callable] = None, accumulate: int = 1):
+              reduce: bool = True, count_fn: Optional[Callable] = None, accumulate: int = 1,
+              replicated: bool = True):
     """Make a step data-parallel after the fact: reduce its metrics, count samples, sync BN.
 
     step: any :class:`~pimm_fn.compile.Step` whose gradients are already averaged (built
@@ -33,6 +41,8 @@ def wrap_step(step, ctx: Optional[DistContext] = None, *, sync_buffers: bool = F
     reduce: reduce the metrics over ranks (seed rules); otherwise they stay per rank.
     count_fn: ``batch -> int`` per-rank samples (default: the ``samples`` of
         :func:`pimm_fn.data.count_batch`; summed over the micro-batches when ``accumulate > 1``).
+    replicated: every rank holds the whole params (data parallel): a sharded state is refused
+        by name. The sharded step (:func:`pimm_fn.sharding.sharded`) passes False.
     Adds ``metrics["samples"]``: the real number of samples this step consumed over all
         ranks (an all-reduced count, so ranks with unequal batches are counted right).
     """
@@ -45,7 +55,18 @@ def wrap_step(step, ctx: Optional[DistContext] = None, *, sync_buffers: bool = F
         parts = batch if accumulate > 1 else (batch,)
         return torch.tensor(float(sum(counter(mb) for mb in parts)), dtype=torch.float32)
 
+    def refuse_sharded(state, batch=None):
+        if replicated and _sharded(state):
+            raise ValueError(
+                "data_parallel / wrap_step got a sharded state (its params are DTensors): a data-parallel "
+                "step replicates the params on every rank. Train it with pimm_fn.sharding.sharded(...), or "
+                "gather it first with pimm_fn.sharding.unshard(state)")
+        if step.check_batch is not None and batch is not None:
+            step.check_batch(state, batch)
+
     def data_parallel_step(state, batch):
+        if not torch.compiler.is_compiling():  # eager calls; a compiled step runs check_batch before tracing
+            refuse_sharded(state)
         new_state, metrics = core(state, batch)
         n_local = local_count(batch)
         if not ctx.is_distributed:
@@ -69,7 +90,7 @@ def wrap_step(step, ctx: Optional[DistContext] = None, *, sync_buffers: bool = F
         return new_state, metrics
 
     return Step(data_parallel_step, name=f"data_parallel({step.name})",
-                raise_on_nonfinite=step.raise_on_nonfinite, check_batch=step.check_batch,
+                raise_on_nonfinite=step.raise_on_nonfinite, check_batch=refuse_sharded,
                 prepare=step.prepare)
 
 
