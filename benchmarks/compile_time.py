@@ -28,6 +28,10 @@ each child also times ``--steps`` more steps (median ``step_s``).
     python benchmarks/compile_time.py --models ptv3_default --runs cold --threads 1 --steps 5
     python benchmarks/compile_time.py --models ptv3_block --threads 1 --steps 5 \
         --json benchmarks/results/compile_time_ptv3_block.json
+    python benchmarks/compile_time.py --models ptv3_block,ptv3_default --runs cold --kernel-units on,off
+
+``--kernel-units off`` builds each inductor kernel as its own library, as torch does
+(``PIMM_FN_KERNEL_UNITS=off`` in the children).
 
 Read the load average printed with the table: compile times on a busy machine are noise.
 """
@@ -125,11 +129,11 @@ def _spawn(model: str, env: dict, cache, threads: int = 0, steps_after: int = 0)
                      timeout=1800, label=f"{model} probe")
 
 
-def measure(model: str, runs=RUNS, threads: int = 0, steps_after: int = 0) -> dict:
+def measure(model: str, runs=RUNS, threads: int = 0, steps_after: int = 0, kernel_units: str = "on") -> dict:
     with tempfile.TemporaryDirectory(prefix="pimm_fn_compile_time_") as tmp:
         d = lambda name: os.path.join(tmp, name)  # noqa: E731
         # The ISA-probe memo on (opt-in): run 1's empty home folder probes and writes it.
-        base = {**os.environ, "PIMM_FN_ISA_MEMO": "1"}
+        base = {**os.environ, "PIMM_FN_ISA_MEMO": "1", "PIMM_FN_KERNEL_UNITS": kernel_units}
         if threads:
             base["OMP_NUM_THREADS"] = str(threads)
         base["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -146,7 +150,8 @@ def measure(model: str, runs=RUNS, threads: int = 0, steps_after: int = 0) -> di
             load = [round(x, 2) for x in os.getloadavg()]
             out[run] = {**_spawn(model, {**base, **env}, cache, threads, steps_after), "load_before": load}
             step = f", step {out[run]['step_s'] * 1e3:.0f} ms" if out[run].get("step_s") else ""
-            print(f"  {model} {run}: {out[run]['first_calls_s']:.2f} s{step} (load {load[0]})", flush=True)
+            print(f"  {model} (units {kernel_units}) {run}: {out[run]['first_calls_s']:.2f} s{step} (load {load[0]})",
+                  flush=True)
         return out
 
 
@@ -171,14 +176,19 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=os.path.join(RESULTS, "compile_time.json"))
     p.add_argument("--threads", type=int, default=0, help="torch threads in each child (0: torch's default)")
     p.add_argument("--steps", type=int, default=0, help="steps timed after the first calls, in each child")
+    p.add_argument("--kernel-units", default="on", help="on, off or on,off: inductor's CPU kernels compiled in "
+                   "units (pimm_fn.compile.kernel_units, the default) or one library each; both: each model twice")
     args = p.parse_args(argv)
     sys.path.insert(0, HERE)
     from overhead import load, write_results
 
     res = {"load_before": load(), "models": {}}
+    runs = tuple(r for r in RUNS if r in args.runs.split(","))
+    ways = args.kernel_units.split(",")
     for model in args.models.split(","):
-        res["models"][model] = measure(model, tuple(r for r in RUNS if r in args.runs.split(",")),
-                                       args.threads, args.steps)
+        for way in ways:
+            label = model if ways == ["on"] else f"{model} units={way}"
+            res["models"][label] = measure(model, runs, args.threads, args.steps, way)
     res["load_after"] = load()
     write_results(res, table(res), args.json)
     return 0

@@ -9,9 +9,11 @@ one to change; pyproject pins ``torch==2.13.*`` until a test lane runs another v
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import threading
+import types
 
 import torch
 import torch.fx.experimental._config as _shape_config
@@ -20,10 +22,11 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, g
 __all__ = ["all_gather", "all_reduce", "backendless_mesh", "clear_unbacked", "compilation_reasons",
            "compiled_graph_count", "complete_loaded_guards", "cpu_vec_isa_class", "dynamo_compile_hooks",
            "dynamo_config", "dynamo_counters", "generator_untouched_by_this_thread", "graph_break_count",
-           "graph_break_records", "guard_or_true", "inductor_config", "inductor_mode_options", "is_compiled_module",
-           "is_data_dependent_error", "is_dynamo_unsupported", "is_marked_dynamic", "mark_backed", "mark_dynamic",
-           "mark_unbacked", "profiler_enabled", "reduce_scatter", "reset_dynamo", "step_tracing_config",
-           "tensorify_restart_error", "trace_inductor_dummy_module", "unbacked_dims", "uncompiled_module"]
+           "graph_break_records", "guard_or_true", "inductor_config", "inductor_cpp_kernels",
+           "inductor_mode_options", "is_compiled_module", "is_data_dependent_error", "is_dynamo_unsupported",
+           "is_marked_dynamic", "mark_backed", "mark_dynamic", "mark_unbacked", "profiler_enabled", "reduce_scatter",
+           "reset_dynamo", "step_tracing_config", "tensorify_restart_error", "trace_inductor_dummy_module",
+           "unbacked_dims", "uncompiled_module"]
 
 TORCH_VERSION_WRITTEN_FOR = "2.13"
 
@@ -155,6 +158,19 @@ def cpu_vec_isa_class():
     from torch._inductor import cpu_vec_isa
 
     return cpu_vec_isa
+
+
+@functools.cache
+def inductor_cpp_kernels() -> types.SimpleNamespace:
+    """What inductor builds CPU kernels with (torch 2.13): ``AsyncCompile`` (the generated
+    code calls its ``cpp_pybinding(argtypes, source)`` per kernel, then ``wait(globals())``),
+    ``LambdaFuture``, ``CodeCache`` (``CppPythonBindingsCodeCache``: ``load_async`` /
+    ``load_pybinding_async``, keyed by source) and ``compile_threads()``."""
+    from torch._inductor import async_compile, codecache
+
+    return types.SimpleNamespace(AsyncCompile=async_compile.AsyncCompile, LambdaFuture=async_compile.LambdaFuture,
+                                 CodeCache=codecache.CppPythonBindingsCodeCache,
+                                 compile_threads=async_compile.get_compile_threads)
 
 
 _QUIET_RNG_THREADS: set = set()

@@ -9,7 +9,8 @@
 - :mod:`.modes`: compile modes, CUDA-graph copies, device errors;
 - :mod:`.explain`: :func:`explain_step`, every graph break with its fix;
 - :mod:`.hoist`: per-step scalars stored once in compiled code;
-- :mod:`.isa_memo`: an opt-in memo of inductor's CPU probes.
+- :mod:`.isa_memo`: an opt-in memo of inductor's CPU probes;
+- :mod:`.kernel_units`: a graph's CPU kernels compiled in a few translation units.
 
 Compiling calls run on a frame stack of their own (:mod:`pimm_fn.frame_room`).
 

@@ -46,6 +46,7 @@ from .. import torch_compat
 from ..hyper import Hyper
 from ..tree import NAMESPACE, tree_leaves
 from ..user_warning import warn
+from . import kernel_units
 
 _MAX_DEPTH = 40
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -420,7 +421,8 @@ def load(path: pathlib.Path, core=None, patches: Optional[dict] = None):
     """
     f_globals = getattr(core, "__globals__", None)
     kwargs = {} if f_globals is None else {"f_globals": f_globals}
-    with open(path, "rb") as f, torch_compat.inductor_config().patch(patches or {}):
+    # Loading builds the kernels missing from inductor's cache, in the units they were compiled in.
+    with open(path, "rb") as f, torch_compat.inductor_config().patch(patches or {}), kernel_units.batched():
         fn = torch.compiler.load_compiled_function(f, **kwargs)
     torch_compat.complete_loaded_guards(fn)
     return fn
@@ -495,7 +497,7 @@ def precompiled_step(core, name: str, state, batch, directory: Optional[pathlib.
     for attempt in range(2):
         graphs = torch_compat.compiled_graph_count()
         try:
-            with torch_compat.step_tracing_config():
+            with torch_compat.step_tracing_config(), kernel_units.batched():
                 fn = compiled.aot_compile(((inner, batch), {}))
             break
         except torch_compat.tensorify_restart_error():

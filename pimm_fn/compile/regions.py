@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import torch_compat
+from . import kernel_units
 
 __all__ = ["CompiledRegions", "active"]
 
@@ -65,10 +66,14 @@ class CompiledRegions:
 
     @contextlib.contextmanager
     def activate(self):
-        """Route the steps' model calls and update through these regions for the block."""
+        """Route the steps' model calls and update through these regions for the block.
+
+        The pieces' backward graphs compile at their first backward pass, after dynamo's
+        compile is over: the block batches their kernels too (:mod:`.kernel_units`)."""
         global _ACTIVE
         previous, _ACTIVE = _ACTIVE, self
         try:
-            yield self
+            with kernel_units.batched():
+                yield self
         finally:
             _ACTIVE = previous

@@ -11,7 +11,8 @@ One interface, three ways to run the core:
 Every call goes through :func:`~.boundary.run_core`, which seeds torch's generator from
 the state's key. While a step call is on the stack, each dynamo compile runs under
 :func:`pimm_fn.torch_compat.step_tracing_config`, entered from dynamo's own compile-start
-callback: a call that finds its graph compiled pays nothing for it. Compiles are counted
+callback (with inductor's CPU kernels compiled in units, :mod:`.kernel_units`): a call
+that finds its graph compiled pays nothing for it. Compiles are counted
 with dynamo's counter and their reasons read from its compilation records.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..state import TrainState, structure_only
 from ..tree import tree_flatten, tree_leaves, tree_unflatten
 from ..user_warning import warn
 from . import cache as step_cache
-from . import isa_memo
+from . import isa_memo, kernel_units
 from .background import BackgroundCompile
 from .boundary import Step, as_step, check_finite, prepare_batch, run_core, validate_first_batch, with_host
 from .modes import copy_tensors, mode_patches
@@ -42,7 +43,9 @@ _TRACING: list = []
 
 def _on_compile_start():
     if _CALLS:
-        _TRACING.append(torch_compat.step_tracing_config())
+        settings = torch_compat.step_tracing_config()
+        settings.enter_context(kernel_units.batched())
+        _TRACING.append(settings)
 
 
 def _on_compile_end():
