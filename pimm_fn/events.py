@@ -176,7 +176,9 @@ class EpochEnd(Event):
     """An epoch finished: it ran to its length, or the loader was exhausted first.
 
     The state handed with it already has its cursor rolled to ``(epoch + 1, 0)``.
-    metrics: per-key averages (0-dim tensors) over the steps this call ran in the epoch.
+    metrics: per-key averages (0-dim tensors) over the epoch's steps: those this call ran,
+        with those of a restored History (``resume(..., history=h)``) the whole epoch's, as
+        in the run that was not interrupted.
     steps: how many steps this call ran in the epoch (fewer than its length on a resume).
     """
 
@@ -214,6 +216,18 @@ class CheckpointSaved(Event):
 
     path: str
     best: bool = False
+
+
+@_frozen
+class TrainEnding(Event):
+    """The run is about to end normally; :class:`TrainEnd` follows. The last point where an
+    event a callback emits (an end-of-run evaluation) and a :class:`SaveNow` it returns are
+    delivered and honoured before the writers and checkpoints close; a Stop changes nothing."""
+
+    epoch: int
+    samples_seen: int
+    reason: str = "completed"
+    stop_reason: str = ""
 
 
 @_frozen

@@ -221,9 +221,10 @@ def test_checkpoint_every_keep_best_final_and_resume(data, tmp_path):
     res = fit(make_state(), PermLoader(*data), step_fn, epochs=3,
               callbacks=[rec, cb, Evaluate(scored, val, every_steps=2, every_epochs=None)])
     saved = [e for e in rec.events if isinstance(e, ev.CheckpointSaved)]
-    # every 3 steps, the best (evals at steps 2,4,8 improved), and the final at step 12
+    # every 3 steps, the best (evals at steps 2,4,8 improved), and the final at step 12: again
+    # after step 12's own save, whose cursor had not rolled to the next epoch yet
     assert [(e.step, e.best) for e in saved] == [(2, True), (3, False), (4, True), (6, False), (8, True),
-                                                 (9, False), (12, False)]
+                                                 (9, False), (12, False), (12, False)]
     files = sorted(p.name for p in tmp_path.iterdir())
     assert "best.ckpt" in files and "latest" in files
     assert sorted(f for f in files if f.startswith("step_")) == ["step_12.ckpt", "step_8.ckpt", "step_9.ckpt"]

@@ -194,21 +194,21 @@ def _table(data, requester, epochs=2):
 
 
 def test_stop_request_ends_after_the_current_step_and_fires_the_table(data):
-    # mid-epoch stop: the step finishes, its StepEnd reaches every callback, no EpochEnd, TrainEnd(stopped)
+    # mid-epoch stop: the step finishes, its StepEnd reaches every callback, no EpochEnd, TrainEnding, TrainEnd(stopped)
     res, kinds, rec = _table(data, on(ev.StepEnd, once=3)(lambda e, s: ev.Stop("enough")))
     assert res.status == "stopped" and int(res.state.step) == 3 and res.state.cursor.position == 3
-    assert kinds == ["TrainStart", "EpochStart", "StepEnd", "StepEnd", "StepEnd", "TrainEnd"]
+    assert kinds == ["TrainStart", "EpochStart", "StepEnd", "StepEnd", "StepEnd", "TrainEnding", "TrainEnd"]
     assert rec.events[-1].reason == "stopped" and rec.events[-1].stop_reason == "enough"
     # stop on an epoch's last step: the epoch is complete, so EpochEnd fires
     res, kinds, _ = _table(data, on(ev.StepEnd, once=6)(lambda e, s: ev.Stop()))
-    assert kinds[-3:] == ["StepEnd", "EpochEnd", "TrainEnd"] and res.state.cursor.epoch == 1
+    assert kinds[-4:] == ["StepEnd", "EpochEnd", "TrainEnding", "TrainEnd"] and res.state.cursor.epoch == 1
     # stop from EpochEnd / TrainStart / EpochStart
     _, kinds, _ = _table(data, on(ev.EpochEnd, once=0)(lambda e, s: ev.Stop()))
     assert kinds.count("EpochStart") == 1 and kinds[-1] == "TrainEnd"
     res, kinds, _ = _table(data, on(ev.TrainStart)(lambda e, s: ev.Stop()))
-    assert kinds == ["TrainStart", "TrainEnd"] and int(res.state.step) == 0
+    assert kinds == ["TrainStart", "TrainEnding", "TrainEnd"] and int(res.state.step) == 0
     res, kinds, _ = _table(data, on(ev.EpochStart)(lambda e, s: ev.Stop()))
-    assert kinds == ["TrainStart", "EpochStart", "TrainEnd"]
+    assert kinds == ["TrainStart", "EpochStart", "TrainEnding", "TrainEnd"]
 
 
 def test_keyboard_interrupt_returns_last_completed_state(data):
@@ -374,7 +374,8 @@ def test_step_blocks_carry_every_step_once_before_epoch_end_and_the_end(data):
     # one block per epoch (the interval never elapses), delivered just before EpochEnd
     assert [b[1] for b in blocks.blocks()] == [tuple(range(1, 7)), tuple(range(7, 13))]
     kinds = [x[0] for x in blocks.log]
-    assert kinds == ["TrainStart", "EpochStart", "block", "EpochEnd", "EpochStart", "block", "EpochEnd", "TrainEnd"]
+    assert kinds == ["TrainStart", "EpochStart", "block", "EpochEnd", "EpochStart", "block", "EpochEnd", "TrainEnding",
+                     "TrainEnd"]
     assert [b[2] for b in blocks.blocks()] == [0, 1] and blocks.blocks()[-1][4] and not blocks.blocks()[0][4]
     assert blocks.blocks()[0][3] == 48  # samples seen after the block's last step
     # a plain callable is not sent blocks (they repeat its StepEnds)

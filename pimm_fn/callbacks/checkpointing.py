@@ -84,6 +84,9 @@ class Checkpoint(Callback):
         self.best_step: Optional[int] = None
         self.last_saved_step: Optional[int] = None
         self.last_path: Optional[Path] = None
+        # The last save's (step, epoch, position): an epoch end after a per-step save of the
+        # same step saves again, since its state's cursor has rolled to the next epoch.
+        self._last_saved_at: Optional[tuple] = None
         self._loader = self._step_fn = None
         self._callbacks: Sequence = ()
         self._evaluations: set = set()  # the EvalEnd names this run saw
@@ -118,6 +121,7 @@ class Checkpoint(Callback):
         self._finished(wait=True)
         path = self._write(state, step, self._extra(), best)
         self.last_saved_step, self.last_path = step, path
+        self._last_saved_at = _saved_at(state, step)
         return path
 
     def _write(self, state, step: int, extra: dict, best: bool) -> Path:
@@ -139,6 +143,7 @@ class Checkpoint(Callback):
             future = self._writer.submit(self._write, state, step, extra, best)
         self._pending.append((future, step, best))
         self.last_saved_step, self.last_path = step, self.dir.path_for(step)
+        self._last_saved_at = _saved_at(state, step)
         return self._finished(wait=False)
 
     def _finished(self, wait: bool) -> list:
@@ -210,12 +215,12 @@ class Checkpoint(Callback):
         return done or None
 
     def on_save_requested(self, event, state):
-        if event.step == self.last_saved_step and not event.best:
+        if _saved_at(state, event.step) == self._last_saved_at and not event.best:
             return None
         return self._request(state, event.step, event.best) or None
 
     def _final(self, event, state):
-        out = [] if self.last_saved_step == event.step else self._request(state, event.step, False)
+        out = [] if _saved_at(state, event.step) == self._last_saved_at else self._request(state, event.step, False)
         return out + self._finished(wait=True) or None
 
     def on_train_end(self, event, state):
@@ -310,3 +315,8 @@ def resume(path, like, *, loader=None, callbacks: Sequence = (), must_exist: boo
         elif id(cb) in keys and keys[id(cb)] in saved:
             cb.load_state_dict(saved[keys[id(cb)]])
     return state
+
+
+def _saved_at(state, step: int) -> tuple:
+    c = state.cursor
+    return step, c.epoch, c.position

@@ -27,8 +27,9 @@ class Evaluate(Callback):
     loader: the validation loader (an iterable, or an object with ``iter_epoch``).
     metric: e.g. :class:`pimm_fn.metrics.SegmentationMetric` or :class:`~pimm_fn.metrics.Accuracy`
         (summed over batches, then over ranks); None for scalar outputs only.
-    every_steps / every_epochs: when to evaluate; at_end: also when the run ends (not on
-        interrupt or failure). name: the EvalEnd name (tags ``<name>/<metric>``).
+    every_steps / every_epochs: when to evaluate; at_end: also when the run ends (on
+        TrainEnding, so that its result is logged and a best checkpoint saved before the
+        end; not on interrupt or failure). name: the EvalEnd name (tags ``<name>/<metric>``).
     """
 
     def __init__(self, eval_fn: Callable, loader, *, metric=None, every_steps: Optional[int] = None,
@@ -95,7 +96,7 @@ class Evaluate(Callback):
         if due(event.epoch + 1, self.every_epochs):
             return self._run(event, state)
 
-    def on_train_end(self, event, state):
+    def on_train_ending(self, event, state):
         if self.at_end:
             return self._run(event, state)
 

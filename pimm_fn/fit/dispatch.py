@@ -152,6 +152,9 @@ class Dispatcher:
         ran = set()
         while queue:
             e = queue.popleft()
+            if e is not event and self.rows and type(e) not in _STEP_EVENTS:
+                # An evaluation a StepEnd caused: the writers get the steps up to it first.
+                self.flush_block(state)
             for cb in (first if e is event else self.callbacks):
                 if snap is not None:
                     ran.add(cb)

@@ -60,13 +60,21 @@ class History:
         }
         last = self.records[-1] if self.records else None
         if last is not None and last["epoch"] == rec["epoch"] and set(last["metrics"]) == set(metrics):
-            # The rest of an epoch a resumed run restored the first part of: one record.
+            # The rest of an epoch a resumed run restored the first part of: one record, and
+            # its averages are the whole epoch's, as in the run that was not interrupted.
             last["steps"] = torch.cat([last["steps"], rec["steps"]])
-            last["metrics"] = {k: torch.cat([last["metrics"][k], v]) for k, v in metrics.items()}
+            last["metrics"] = metrics = {k: torch.cat([last["metrics"][k], v]) for k, v in metrics.items()}
         else:
             self.records.append(rec)
         self._pending, self._pending_epoch = [], None
         return {k: v.float().mean() for k, v in metrics.items()}
+
+    def _averages_of(self, epoch: int) -> Optional[dict]:
+        """The averages of ``epoch``'s record if it is the last one (a resume at its very end)."""
+        last = self.records[-1] if self.records else None
+        if last is None or last["epoch"] != epoch:
+            return None
+        return {k: v.float().mean() for k, v in last["metrics"].items()}
 
     def state_dict(self) -> dict:
         """The records so far (the open epoch's steps included), as tensors: what a
@@ -78,7 +86,9 @@ class History:
             snapshot._close()
             records += snapshot.records
         keys = [sorted(r["metrics"]) for r in records]
-        if records and all(k == keys[0] for k in keys):
+        if records and all(k == keys[0] for k in keys) and all(
+                len(v) == len(r["steps"]) for r in records for v in r["metrics"].values()):
+            # (a column shorter than its steps -- a metric some steps lacked -- keeps the long form)
             # One tensor per column, whatever the run's length: a checkpoint stays a handful
             # of entries, not six per epoch.
             return {

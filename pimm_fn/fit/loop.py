@@ -105,7 +105,9 @@ class _Run(Dispatcher):
             _close(it)
             return False
         pos, ran, exhausted = start, 0, False
-        history_rows = self.history._open(epoch) if self.history is not None else None
+        # Without a run History (fit(history=False)) the epoch still has its averages (EpochEnd).
+        epoch_history = self.history if self.history is not None else History()
+        history_rows = epoch_history._open(epoch)
         step_fn, samples_in, world = self.step_fn, src.samples_in, src.world_size
         step_callbacks = self.step_callbacks
         rows = self.rows if self.block_callbacks else None
@@ -138,8 +140,7 @@ class _Run(Dispatcher):
                 self.state, self.step = new, self.step + 1
                 t2 = perf_counter()
                 ran += 1
-                if history_rows is not None:
-                    history_rows.append((self.step, metrics))
+                history_rows.append((self.step, metrics))
                 if rows is not None:
                     rows.append((self.step, pos, metrics, n, t1 - t0, t2 - t1))
                 if self.empty_cache == "step":
@@ -178,8 +179,10 @@ class _Run(Dispatcher):
             )
         if pos < ipe and not exhausted:
             return False  # stopped mid-epoch: the epoch is not over, no EpochEnd
-        history = self.history
-        averages = history._close() if history is not None else None
+        averages = epoch_history._close()
+        if averages is None and ran == 0:
+            # resumed at the epoch's end (a checkpoint of its last step): the restored averages
+            averages = epoch_history._averages_of(epoch)
         if self.rows:
             self.flush_block(self.state)
         cursor = self.state.cursor
@@ -322,20 +325,24 @@ def fit(
             # The steps on a frame stack of their own: called at an unlucky stack depth, a
             # step maps and unmaps memory on every call (pimm_fn.frame_room).
             call_with_frame_room(run.run_epochs, epochs)
+            status, stop_reason = "stopped" if run.stop_reason is not None else "completed", run.stop_reason or ""
+            c = run.state.cursor
+            # Not terminal: an end-of-run evaluation and the best save it asks for happen here,
+            # while the writers and checkpoints are still open.
+            run.dispatch(ev.TrainEnding(step=run.step, epoch=c.epoch, samples_seen=c.samples_seen, reason=status,
+                                        stop_reason=stop_reason), run.state)
         except BaseException as err:  # every exit path gets its terminal event
             run._fail_or_interrupt(err)
             if isinstance(err, KeyboardInterrupt):
                 return FitResult(run.state, run.history, "interrupted")
             raise
-        c = run.state.cursor
-        status = "stopped" if run.stop_reason is not None else "completed"
         run.terminal(
             ev.TrainEnd(step=run.step, epoch=c.epoch, samples_seen=c.samples_seen, reason=status,
-                        stop_reason=run.stop_reason or ""),
+                        stop_reason=stop_reason),
             run.state,
         )
         run.instant("training_end")
-        return FitResult(run.state, run.history, status, run.stop_reason or "")
+        return FitResult(run.state, run.history, status, stop_reason)
 
 
 def fit_epoch(
