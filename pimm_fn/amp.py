@@ -65,9 +65,11 @@ def update_loss_scale(state: LossScaleState, finite: torch.Tensor,
     """Next loss-scale state after a step whose gradients were ``finite`` (0-dim bool)."""
     grown_tracker = state.growth_tracker + 1
     grow = finite & (grown_tracker >= config.growth_interval)
+    grown = state.scale * config.growth_factor
     scale = torch.where(
         finite,
-        torch.where(grow, state.scale * config.growth_factor, state.scale),
+        # as GradScaler: a growth past float32's range keeps the scale (inf would skip every step)
+        torch.where(grow & torch.isfinite(grown), grown, state.scale),
         state.scale * config.backoff_factor,
     )
     tracker = torch.where(finite & ~grow, grown_tracker, torch.zeros_like(grown_tracker))

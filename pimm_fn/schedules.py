@@ -142,11 +142,15 @@ def _piecewise(total_steps: int, phases, anneal) -> Schedule:
         s = _steps(count, n["last"])
         # The first phase whose end_step is >= s, else the last one (torch's rule); each
         # phase is evaluated and the right one selected, so there is no host branch. A
-        # zero-length phase divides by zero here, but only in a branch never selected.
+        # zero-length phase (OneCycle's warm-up when pct_start * total_steps == 1, where
+        # torch divides by zero) is at its end value.
         out = None
         for i in reversed(range(n_phases)):
             start, end, a, b = (n[f"{k}{i}"] for k in _PHASE)
-            value = anneal(a, b, (s - start) / (end - start))
+            span = end - start
+            pct = torch.where(span > 0, (s - start) / torch.where(span > 0, span, torch.ones_like(span)),
+                              torch.ones_like(s))
+            value = anneal(a, b, pct)
             out = value if out is None else torch.where(s <= end, value, out)
         return _f64(out)
 

@@ -220,6 +220,7 @@ def import_seed_checkpoint(
 
     optimizer_sd = ckpt.get("optimizer")
     if optimizer_sd:
+        _check_param_order(source, [k for k in incoming if k in params], list(params))
         count = _seed_count(ckpt, optimizer_sd)
         opt_state = _import_optimizer_state(optimizer_sd, like.opt_state, count, optimizer_importer)
         if opt_state is not None:
@@ -253,3 +254,18 @@ def import_seed_checkpoint(
             step=torch.tensor(int(ckpt["global_step"]), dtype=like.step.dtype, device=like.step.device)
         )
     return state
+
+
+def _check_param_order(source, theirs: list, ours: list) -> None:
+    """A torch optimizer's state numbers the params in the order the saving model declared
+    them; the moments are matched by that position. A model declaring its submodules in
+    another order would hand each param another one's moments (silently when the shapes agree)."""
+    shared = set(theirs) & set(ours)
+    theirs, ours = [k for k in theirs if k in shared], [k for k in ours if k in shared]
+    if theirs != ours:
+        at = next(i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b)
+        raise CheckpointMismatchError(
+            f"{source}: the model declares its parameters in another order than the one that saved the "
+            f"checkpoint (position {at}: {ours[at]!r} here, {theirs[at]!r} there), and the optimizer's moments "
+            "are stored by position: declare the submodules in the saving model's order, or pass resume=False "
+            "to import the weights only")

@@ -112,9 +112,18 @@ def from_torch_state_dict(
 
         def take(key, tree):
             out = {}
-            for n, entry in zip(names, per_param):
+            for index, (n, entry) in zip(tg["params"], zip(names, per_param)):
                 like = tree[n]
                 value = entry.get(key)
+                if value is not None and tuple(value.shape) != tuple(like.shape):
+                    # Moments are matched by position: another order of the params would hand a
+                    # param another's moments (a crash in the fused kernel, or silently swapped).
+                    raise ValueError(
+                        f"param group {i}: torch's {key} of param {index} has shape {tuple(value.shape)}, "
+                        f"but param {n!r} at that position here has {tuple(like.shape)}: the torch "
+                        "optimizer lists its params in another order than this state (build the model "
+                        "with its submodules declared in the order of the one that saved the checkpoint, "
+                        "or restore only the weights)")
                 out[n] = like.clone() if value is None else value.detach().to(like).clone()
             return out
 
