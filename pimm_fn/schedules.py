@@ -234,14 +234,16 @@ def cosine(total_steps: int, base_lr: float, eta_min: float = 0.0) -> Schedule:
     return _schedule(schedule, h)
 
 
-def _milestone_steps(milestones: Sequence[float], total_steps: int, where: str) -> list:
+def _milestone_steps(milestones: Sequence[float], total_steps: int, where: str, whole: bool = True) -> list:
+    """The steps ``r * total_steps``, rounded down (``whole``: MultiStepLR's int milestones) or not."""
     steps = []
     for r in milestones:
         if not 0 <= float(r) <= 1:
             raise ValueError(
                 f"{where}: milestones are fractions of total_steps in [0, 1], got {r!r}"
             )
-        steps.append(int(float(r) * total_steps))
+        step = float(r) * total_steps
+        steps.append(int(step) if whole else step)
     return sorted(steps)
 
 
@@ -290,24 +292,25 @@ def multistep_with_warmup(
 ) -> Schedule:
     """The seed's MultiStepWithWarmup: multistep decay times a linear warm-up.
 
-    The factor is ``gamma ** k`` (k milestones ``int(r * total_steps)`` reached), times
+    The factor is ``gamma ** k`` (k milestones ``r * total_steps`` reached, not rounded, as
+    the seed compares them), times
     ``1 - (1 - s / (warmup_rate * T)) * (1 - warmup_scale)`` while
     ``s <= warmup_rate * T``: it rises from ``warmup_scale`` to 1 over the warm-up.
     warmup_rate=0 means no warm-up (Pointcept divides by zero there).
     """
     total_steps = _check_total_steps(total_steps, "multistep_with_warmup", base_lr)
-    steps = _milestone_steps(milestones, total_steps, "multistep_with_warmup")
+    steps = _milestone_steps(milestones, total_steps, "multistep_with_warmup", whole=False)
     warmup_end = float(warmup_rate) * total_steps
     warms = warmup_end > 0
-    h = Hyper(total=total_steps, base_lr=base_lr, warmup_end=warmup_end, warmup_scale=warmup_scale,
-              **_step_decay_numbers(steps, float(gamma), 1.0))
+    h = Hyper(total=total_steps, base_lr=base_lr, warmup_end=warmup_end, warmup_rate=float(warmup_rate),
+              warmup_scale=warmup_scale, **_step_decay_numbers(steps, float(gamma), 1.0))
 
     def schedule(count: torch.Tensor) -> torch.Tensor:
         n = h.on(count.device)
         s = _steps(count, n["total"])
         decay = _step_decay(s, n, len(steps))
         if warms:
-            ramp = 1 - (1 - s / n["warmup_end"]) * (1 - n["warmup_scale"])
+            ramp = 1 - (1 - s / n["warmup_rate"] / n["total"]) * (1 - n["warmup_scale"])  # the seed's divisions
             decay = decay * torch.where(s <= n["warmup_end"], ramp, torch.ones_like(ramp))
         return _f64(n["base_lr"] * decay)
 

@@ -78,3 +78,49 @@ def test_torch_moments_of_another_shape_are_refused_by_position():
     params = {"b": torch.zeros(3), "w": torch.zeros(6, 5)}  # another order than torch's
     with pytest.raises(ValueError, match="exp_avg of param 0 has shape"):
         optim.from_torch_state_dict(opt.state_dict(), optim.adamw(1e-2).init(params))
+
+
+def _pointcept_multistep_with_warmup(milestones, total, gamma, warmup_rate, warmup_scale=1e-6):
+    # The seed's LambdaLR factor: milestones compared as the unrounded r * total.
+    marks = [r * total for r in milestones]
+
+    def factor(s):
+        f = 1.0
+        for m in marks:
+            if s < m:
+                break
+            f *= gamma
+        w = 1 - (1 - s / warmup_rate / total) * (1 - warmup_scale) if s <= warmup_rate * total else 1.0
+        return w * f
+    return factor
+
+
+@pytest.mark.parametrize("total, milestones, warmup_rate", [(7, (0.6, 0.9), 0.3), (10, (0.7, 0.9), 0.3),
+                                                            (200, (0.6, 0.9), 0.05)])
+def test_multistep_with_warmup_equals_the_seeds_lambda_to_the_bit(total, milestones, warmup_rate):
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    lambda_lr = torch.optim.lr_scheduler.LambdaLR(opt, _pointcept_multistep_with_warmup(milestones, total, 0.1,
+                                                                                        warmup_rate))
+    ours = schedules.multistep_with_warmup(total, 0.1, milestones, 0.1, warmup_rate)
+    for s in range(total):
+        assert float(ours(torch.tensor(s))) == opt.param_groups[0]["lr"], s
+        opt.step()
+        lambda_lr.step()
+
+
+@pytest.mark.parametrize("make, torch_opt, kw", [
+    (lambda: optim.sgd(lr=1.0, momentum=0.9), torch.optim.SGD, dict(lr=1.0, momentum=0.9)),
+    (lambda: optim.adam(lr=1e-3, fused=False), torch.optim.Adam, dict(lr=1e-3)),
+])
+def test_bfloat16_params_take_the_step_scalars_as_torch_does(make, torch_opt, kw):
+    # torch computes a bf16 tensor times a Python number in float32: momentum 0.9 is not 0.8984.
+    tx, params = make(), {"w": torch.zeros(4, dtype=torch.bfloat16)}
+    state = tx.init(params)
+    w = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    opt = torch_opt([w], **kw)
+    for _ in range(40):
+        params, state = optim.update_and_apply(tx, {"w": torch.ones(4, dtype=torch.bfloat16)}, state, params)
+        w.grad = torch.ones(4, dtype=torch.bfloat16)
+        opt.step()
+    assert torch.equal(params["w"], w.detach())

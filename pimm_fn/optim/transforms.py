@@ -184,16 +184,19 @@ def sgd(
 
 
 def _per_dtype(x64: torch.Tensor):
-    """``at(dtype)``: the float64 step scalar ``x64`` rounded to ``dtype`` once, and :func:`hoist`-ed.
+    """``at(dtype)``: the float64 step scalar ``x64`` rounded once to the dtype torch's kernels
+    compute a ``dtype`` tensor in (the param dtype; float32 for bfloat16 / float16 params,
+    whose kernels take a Python scalar as float32), and :func:`hoist`-ed.
 
-    Rounding where torch's kernels round it (float64 -> the param dtype) keeps torch's
-    numbers; hoisting keeps the compiled element loops from recomputing it per element.
+    Rounding where torch's kernels round it keeps torch's numbers; hoisting keeps the
+    compiled element loops from recomputing it per element.
     """
     rounded: dict = {}
 
     def at(dtype: torch.dtype) -> torch.Tensor:
         if dtype not in rounded:
-            rounded[dtype] = hoist(x64.to(dtype))
+            compute = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+            rounded[dtype] = hoist(x64.to(compute))
         return rounded[dtype]
 
     return at
