@@ -18,16 +18,30 @@ import torch
 EPS = 1e-10
 
 
+def _labels(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``pred`` as labels shaped like ``target``: logits (floating, class dim last) are
+    argmax-ed, integer labels with a trailing 1 (``argmax(-1, keepdim=True)``) squeezed;
+    anything else must already have the target's shape."""
+    if pred.dim() == target.dim() + 1 and pred.shape[:-1] == target.shape:
+        if pred.is_floating_point() and pred.shape[-1] > 1:
+            return pred.argmax(-1)
+        if not pred.is_floating_point() and pred.shape[-1] == 1:
+            return pred.squeeze(-1)
+    if pred.shape != target.shape:
+        raise ValueError(
+            f"pred has shape {tuple(pred.shape)} and target {tuple(target.shape)}: pass pred as labels of the "
+            "target's shape, or as logits of the target's shape plus a last dim of the classes (a class dim "
+            "elsewhere, e.g. [B, C, N], must be moved last)")
+    return pred
+
+
 def intersection_and_union(pred: torch.Tensor, target: torch.Tensor, num_classes: int, ignore_index: int = -1):
     """Per-class (intersection, union, target) point counts, int64 tensors of length ``num_classes``.
 
     pred: predicted labels (or logits with the class dim last); target: labels, same shape
     as pred's labels; points with ``target == ignore_index`` are left out.
     """
-    if pred.dim() == target.dim() + 1:
-        pred = pred.argmax(-1)
-    if pred.shape != target.shape:
-        raise ValueError(f"pred shape {tuple(pred.shape)} does not match target shape {tuple(target.shape)}")
+    pred = _labels(pred, target)
     pred = pred.reshape(-1).long()
     target = target.reshape(-1).long()
     keep = target != ignore_index
@@ -63,8 +77,7 @@ def segmentation_scores(intersection, union, target, names: Optional[Sequence[st
 
 def accuracy_counts(pred: torch.Tensor, target: torch.Tensor, ignore_index: int = -1):
     """(correct, total) as int64 0-dim tensors; ``pred`` may be labels or logits (class dim last)."""
-    if pred.dim() == target.dim() + 1:
-        pred = pred.argmax(-1)
+    pred = _labels(pred, target)
     keep = target != ignore_index
     correct = (pred[keep] == target[keep]).sum()
     return correct.long(), keep.sum().long()

@@ -124,3 +124,23 @@ def test_bfloat16_params_take_the_step_scalars_as_torch_does(make, torch_opt, kw
         w.grad = torch.ones(4, dtype=torch.bfloat16)
         opt.step()
     assert torch.equal(params["w"], w.detach())
+
+
+def test_nonfinite_raise_skips_a_loss_scale_overflow_as_documented():
+    from pimm_fn import compile_step, steps
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 1)
+
+        def forward(self, batch):
+            return {"loss": (self.lin(batch["x"]) ** 2).mean() * batch["k"]}
+
+    scaled = TrainState.create(Net(), optim.adamw(1e-3), loss_scale=True)
+    step = compile_step(steps.supervised(nonfinite="raise"), eager=True)
+    batch = {"x": torch.randn(4, 3), "k": torch.tensor(1e36)}  # the scaled gradients overflow
+    new, metrics = step(scaled, batch)
+    assert float(metrics["skipped"]) == 1.0 and float(new.loss_scale.scale) < float(scaled.loss_scale.scale)
+    with pytest.raises(FloatingPointError, match="non-finite"):  # without a loss scale it raises
+        step(TrainState.create(Net(), optim.adamw(1e-3)), {"x": torch.randn(4, 3), "k": torch.tensor(float("nan"))})

@@ -180,8 +180,10 @@ def prepare_batch(step: "Step", state: TrainState, batch):
 
 
 def check_finite(step: "Step", state: TrainState, metrics: dict):
-    # Only when the user chose to raise: reading the flag is a host sync.
-    if step.raise_on_nonfinite and "skipped" in metrics and bool(metrics["skipped"]):
+    # Only when the user chose to raise: reading the flag is a host sync. Under loss scaling
+    # a skipped step is the scale's overflow, which GradScaler skips and backs off from.
+    if step.raise_on_nonfinite and getattr(state, "loss_scale", None) is None and "skipped" in metrics \
+            and bool(metrics["skipped"]):
         raise FloatingPointError(
             f"non-finite loss or gradients at step {int(state.step)} "
             f"(loss={float(metrics.get('loss', float('nan')))}); the update was not applied. "
