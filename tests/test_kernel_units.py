@@ -84,6 +84,24 @@ def test_another_thread_and_the_off_switch_compile_as_torch_does(tmp_path):
     leave.set()
     t.join()
     assert kernel_units.stats()["kernels"] == 0, kernel_units.stats()
+
+    # Nor while another thread is inside a compiled step's call.
+    from pimm_fn import TrainState, compile_step, optim
+
+    def waiting_core(state, batch):
+        inside.set()
+        leave.wait()
+        return state, {}
+
+    inside.clear(), leave.clear()
+    stepping = threading.Thread(target=lambda: compile_step(waiting_core, eager=True)(
+        TrainState.create(torch.nn.Linear(2, 2), optim.sgd(0.1)), {"x": torch.zeros(1)}))
+    stepping.start()
+    inside.wait()
+    torch.compile(lambda x, w: f(x * 2.0, w))(x, w)
+    leave.set()
+    stepping.join()
+    assert kernel_units.stats()["kernels"] == 0, kernel_units.stats()
     import os
     os.environ["PIMM_FN_KERNEL_UNITS"] = "off"
     torch.compiler.reset()
@@ -134,7 +152,31 @@ def test_compile_step_builds_its_kernels_in_units_with_the_same_bits(tmp_path):
     torch.save(tree_leaves((state.params, state.opt_state)), OUT)
     print(kernel_units.stats())
     """, tmp_path)
-    if _compile_threads() >= 2:
-        assert stats["kernels"] >= 3 and 1 <= stats["units"] <= _compile_threads() and not stats["fallbacks"], stats
+    assert stats["kernels"] >= 3 and stats["units"] >= 1 and not stats["fallbacks"], stats
     assert len(units) == len(alone) > 4
     assert all(torch_equal(a, b) for a, b in zip(units, alone))
+
+
+def test_a_saved_step_loads_without_compiling_under_another_number_of_compile_workers(tmp_path):
+    # The units are cut by size, not by the machine's compile workers: a job on fewer CPUs
+    # sharing the inductor cache and the step cache loads what another job built.
+    code = """
+    import glob, os, sys
+    import torch
+    from pimm_fn import TrainState, compile_step, optim, steps
+    from pimm_fn.compile import kernel_units
+    from pimm_fn.models import MLPClassifier
+
+    torch.manual_seed(0)
+    state = TrainState.create(MLPClassifier(16, 5, hidden=(40,)), optim.adamw(1e-2), seed=0)
+    step = compile_step(steps.supervised(clip_grad=1.0), cache=os.environ["STEPS"])
+    before = set(glob.glob(os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "**", "*.so"), recursive=True))
+    step(state, {"x": torch.randn(8, 16), "y": torch.randint(0, 5, (8,))})
+    after = set(glob.glob(os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "**", "*.so"), recursive=True))
+    print(step.loaded_from_cache, len(after - before), kernel_units.stats()["units"])
+    """
+    steps_dir = str(tmp_path / "steps")
+    saved = _python(code, tmp_path, STEPS=steps_dir, TORCHINDUCTOR_COMPILE_THREADS="2").split()
+    assert saved[0] == "False" and int(saved[1]) >= 1 and int(saved[2]) >= 1, saved
+    loaded = _python(code, tmp_path, STEPS=steps_dir, TORCHINDUCTOR_COMPILE_THREADS="1").split()
+    assert loaded[0] == "True" and loaded[1] == "0", loaded

@@ -5,14 +5,16 @@ kernel, and each of them first loads inductor's precompiled header (~150 MB), a 
 that outweighs compiling most kernels. A PTv3-class step has a few hundred kernels, so a
 cold compile spent most of its compiler time loading that header again and again
 (benchmarks/README.md, "Kernels compiled in units"). Here the kernels of one graph are
-compiled in as many units as inductor has compile workers, balanced by size, each unit one
+cut, in their order, into units of about ``_UNIT_CHARS`` of source (so the units and their
+cached libraries do not depend on the machine's number of compile workers), each unit one
 library with a Python entry per kernel. The kernels' code and flags are inductor's own, so
 their results are the same bits.
 
-Active only on a thread inside :func:`batched` (compile_step enters it around its
-compiles and the step cache's loads); everything else, other threads included, compiles
-as torch does. ``PIMM_FN_KERNEL_UNITS=off`` turns it off. A unit that fails to compile
-falls back to one library per kernel, with a warning.
+Only a thread inside a compiled step's call (:func:`on_this_thread`) or a :func:`batched`
+block builds units: inductor's ``AsyncCompile`` gets two gated methods when the first
+compiled step is made (:func:`install`), and every other caller, other threads included,
+compiles as torch does. ``PIMM_FN_KERNEL_UNITS=off`` turns it off. A unit that fails to
+compile falls back to one library per kernel, with a warning.
 """
 from __future__ import annotations
 
@@ -24,22 +26,22 @@ from typing import Optional
 from .. import torch_compat
 from ..user_warning import warn
 
-__all__ = ["batched", "enabled", "stats"]
+__all__ = ["batched", "enabled", "install", "on_this_thread", "stats"]
 
 _ENV = "PIMM_FN_KERNEL_UNITS"
 _PREFIX = "#include <torch/csrc/inductor/cpp_prefix.h>"
-# A unit's fixed cost (loading the header) in characters of kernel source, for balancing.
-_UNIT_COST = 20_000
+# A unit closes before a kernel that would take it past this much source: a few units for a
+# small model, one per few dozen kernels for a large one.
+_UNIT_CHARS = 400_000
 
 _LOCAL = threading.local()
 _LOCK = threading.Lock()
-_USERS = 0
-_TORCH: Optional[tuple] = None  # AsyncCompile's own (cpp_pybinding, wait), read once
+_TORCH: Optional[tuple] = None  # AsyncCompile's own (cpp_pybinding, wait), once installed
 _STATS = {"kernels": 0, "units": 0, "fallbacks": 0}
 
 
 def enabled() -> bool:
-    """Whether compile_step batches kernels (``PIMM_FN_KERNEL_UNITS`` is not off/0/false)."""
+    """Whether kernels are built in units (``PIMM_FN_KERNEL_UNITS`` is not off/0/false/no)."""
     return os.environ.get(_ENV, "").strip().lower() not in ("0", "off", "false", "no")
 
 
@@ -48,45 +50,41 @@ def stats() -> dict:
     return dict(_STATS)
 
 
+def install() -> None:
+    """Give inductor's ``AsyncCompile`` the gated methods (once; they defer to torch's own
+    unless the calling thread is inside :func:`on_this_thread` or :func:`batched`)."""
+    global _TORCH
+    with _LOCK:
+        if _TORCH is None:
+            cls = torch_compat.inductor_cpp_kernels().AsyncCompile
+            _TORCH = (cls.cpp_pybinding, cls.wait)
+            cls.cpp_pybinding, cls.wait = _cpp_pybinding, _wait
+
+
+class on_this_thread:
+    """``with on_this_thread():`` kernels compiled on this thread in the block are built in
+    units (a compiled step's call enters it: cheap, a thread-local flag)."""
+
+    __slots__ = ("_was",)
+
+    def __enter__(self):
+        self._was = getattr(_LOCAL, "on", False)
+        _LOCAL.on = True
+
+    def __exit__(self, *exc):
+        _LOCAL.on = self._was
+
+
 @contextlib.contextmanager
 def batched():
-    """Kernels compiled on this thread inside the block are compiled in units (if enabled)."""
-    if getattr(_LOCAL, "on", False) or not enabled():
+    """:func:`install`, then :class:`on_this_thread` for the block."""
+    install()
+    with on_this_thread():
         yield
-        return
-    _acquire()
-    _LOCAL.on = True
-    try:
-        yield
-    finally:
-        _LOCAL.on = False
-        _release()
-
-
-# Installed on AsyncCompile while any thread is inside `batched`, removed after the last.
-def _acquire() -> None:
-    global _USERS, _TORCH
-    with _LOCK:
-        if _USERS == 0:
-            cls = torch_compat.inductor_cpp_kernels().AsyncCompile
-            if _TORCH is None:
-                _TORCH = (cls.cpp_pybinding, cls.wait)
-            cls.cpp_pybinding, cls.wait = _cpp_pybinding, _wait
-        _USERS += 1
-
-
-def _release() -> None:
-    global _USERS
-    with _LOCK:
-        _USERS -= 1
-        if _USERS == 0:
-            cls = torch_compat.inductor_cpp_kernels().AsyncCompile
-            cls.cpp_pybinding, cls.wait = _TORCH
 
 
 def _cpp_pybinding(self, argtypes, source_code):
-    inductor = torch_compat.inductor_cpp_kernels()
-    if not getattr(_LOCAL, "on", False) or inductor.compile_threads() <= 1 or not _fits(argtypes, source_code):
+    if not (getattr(_LOCAL, "on", False) and enabled() and _fits(argtypes, source_code)):
         return _TORCH[0](self, argtypes, source_code)
     slot = _Kernel(list(argtypes), source_code)
     self.__dict__.setdefault("_pimm_fn_kernels", []).append(slot)
@@ -95,11 +93,19 @@ def _cpp_pybinding(self, argtypes, source_code):
         if slot.load is None:
             _flush(self)
         return slot.load()
-    return inductor.LambdaFuture(result)
+    future = torch_compat.inductor_cpp_kernels().LambdaFuture(result)
+    self.__dict__.setdefault("_pimm_fn_futures", set()).add(id(future))
+    return future
 
 
 def _wait(self, scope):
     _flush(self)  # start the units' compiles before waiting for them
+    if torch_compat.inductor_cpp_kernels().compile_threads() <= 1:
+        # torch's wait resolves futures only with compile workers; ours are futures anyway
+        ours = self.__dict__.pop("_pimm_fn_futures", set())
+        for name, value in list(scope.items()):
+            if id(value) in ours:
+                scope[name] = value.result()
     return _TORCH[1](self, scope)
 
 
@@ -132,33 +138,35 @@ def _argument(argtype: str, n: int) -> Optional[str]:
 
 
 def _flush(compiler) -> None:
-    """Compile the kernels gathered so far: one unit per compile worker, largest kernels first."""
+    """Compile the kernels gathered so far, cut in their order into units of about ``_UNIT_CHARS``."""
     kernels = compiler.__dict__.pop("_pimm_fn_kernels", [])
-    if not kernels:
-        return
+    units: list = []
+    size = 0
+    for k in kernels:
+        if units and units[-1] and size + len(k.source) > _UNIT_CHARS:
+            units.append([])
+            size = 0
+        if not units:
+            units.append([])
+        units[-1].append(k)
+        size += len(k.source)
     inductor = torch_compat.inductor_cpp_kernels()
-    units: list = [[] for _ in range(min(len(kernels), inductor.compile_threads()))]
-    sizes = [0] * len(units)
-    for k in sorted(kernels, key=lambda k: -len(k.source)):
-        i = sizes.index(min(sizes))
-        units[i].append(k)
-        sizes[i] += len(k.source) + _UNIT_COST
-    order = {id(k): i for i, k in enumerate(kernels)}
+    submit = compiler.submit if inductor.compile_threads() > 1 else None
     for unit in units:
-        unit.sort(key=lambda k: order[id(k)])  # the same source, so the same cached library, each run
         if len(unit) == 1:
             _compile_alone(compiler, unit[0])
             continue
         _STATS["kernels"] += len(unit)
         _STATS["units"] += 1
-        library = inductor.CodeCache.load_async(_unit_source(unit), submit_fn=compiler.submit)
+        library = inductor.CodeCache.load_async(_unit_source(unit), submit_fn=submit)
         for j, k in enumerate(unit):
             k.load = _entry(compiler, unit, library, j)
 
 
 def _compile_alone(compiler, k: _Kernel) -> None:
     inductor = torch_compat.inductor_cpp_kernels()
-    k.load = inductor.CodeCache.load_pybinding_async(k.argtypes, k.source, submit_fn=compiler.submit)
+    submit = compiler.submit if inductor.compile_threads() > 1 else None
+    k.load = inductor.CodeCache.load_pybinding_async(k.argtypes, k.source, submit_fn=submit)
 
 
 def _entry(compiler, unit: list, library, j: int):

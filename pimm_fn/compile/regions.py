@@ -24,7 +24,6 @@ from typing import Callable, Optional
 import torch
 
 from .. import torch_compat
-from . import kernel_units
 
 __all__ = ["CompiledRegions", "active"]
 
@@ -66,14 +65,10 @@ class CompiledRegions:
 
     @contextlib.contextmanager
     def activate(self):
-        """Route the steps' model calls and update through these regions for the block.
-
-        The pieces' backward graphs compile at their first backward pass, after dynamo's
-        compile is over: the block batches their kernels too (:mod:`.kernel_units`)."""
+        """Route the steps' model calls and update through these regions for the block."""
         global _ACTIVE
         previous, _ACTIVE = _ACTIVE, self
         try:
-            with kernel_units.batched():
-                yield self
+            yield self
         finally:
             _ACTIVE = previous

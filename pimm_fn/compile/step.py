@@ -11,9 +11,9 @@ One interface, three ways to run the core:
 Every call goes through :func:`~.boundary.run_core`, which seeds torch's generator from
 the state's key. While a step call is on the stack, each dynamo compile runs under
 :func:`pimm_fn.torch_compat.step_tracing_config`, entered from dynamo's own compile-start
-callback (with inductor's CPU kernels compiled in units, :mod:`.kernel_units`): a call
-that finds its graph compiled pays nothing for it. Compiles are counted
-with dynamo's counter and their reasons read from its compilation records.
+callback: a call that finds its graph compiled pays nothing for it. A call sets a
+thread-local flag under which inductor's CPU kernels are built in units (:mod:`.kernel_units`).
+Compiles are counted with dynamo's counter and their reasons read from its compilation records.
 """
 from __future__ import annotations
 
@@ -43,9 +43,7 @@ _TRACING: list = []
 
 def _on_compile_start():
     if _CALLS:
-        settings = torch_compat.step_tracing_config()
-        settings.enter_context(kernel_units.batched())
-        _TRACING.append(settings)
+        _TRACING.append(torch_compat.step_tracing_config())
 
 
 def _on_compile_end():
@@ -132,6 +130,7 @@ class CompiledStep:
             _ensure_compile_hooks = torch_compat.dynamo_compile_hooks(_on_compile_start, _on_compile_end)
         if isa_memo.opted_in():
             isa_memo.install()
+        kernel_units.install()
         if not fullgraph:
             if self._cudagraphs:
                 raise ValueError(
@@ -159,11 +158,12 @@ class CompiledStep:
             _ensure_compile_hooks()
         _CALLS += 1
         try:
-            if first and not self.eager:
-                # The call that compiles: see frame_room for why it gets a frame stack of its own.
-                new_state, metrics, graphs = call_with_frame_room(self._dispatch, state, batch, first, graphs)
-            else:
-                new_state, metrics, graphs = self._dispatch(state, batch, first, graphs)
+            with kernel_units.on_this_thread():  # what this call compiles, if anything
+                if first and not self.eager:
+                    # The call that compiles: see frame_room for why it gets a frame stack of its own.
+                    new_state, metrics, graphs = call_with_frame_room(self._dispatch, state, batch, first, graphs)
+                else:
+                    new_state, metrics, graphs = self._dispatch(state, batch, first, graphs)
         finally:
             _CALLS -= 1
         compiled = 0 if graphs is None else torch_compat.compiled_graph_count() - graphs - self._discarded
