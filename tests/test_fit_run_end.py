@@ -119,3 +119,12 @@ def test_epoch_averages_without_a_history():
     result = fit(make_state(), PermLoader(x, y), step_fn, epochs=1, callbacks=[rec], history=False)
     ends = [e for e in rec.events if isinstance(e, E.EpochEnd)]
     assert result.history is None and set(ends[0].metrics) == {"loss", "lr/default", "grad_norm"}
+
+
+@pytest.mark.parametrize("kwargs, error", [(dict(patience=0), ValueError), (dict(patience=2.5), TypeError),
+                                           (dict(patience="3"), TypeError), (dict(min_delta=-0.1), ValueError)])
+def test_early_stopping_names_a_bad_patience_or_min_delta(kwargs, error):
+    from pimm_fn.callbacks import EarlyStopping
+
+    with pytest.raises(error, match="EarlyStopping"):
+        EarlyStopping("loss", **kwargs)

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from .. import events as ev
+from .._validate import check_int
 from ..user_warning import warn
 from .base import Callback
 
@@ -69,6 +70,11 @@ class EarlyStopping(Callback):
                  source: str = "val"):
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
+        patience = check_int("EarlyStopping(patience=...)", patience, 1,
+                             hint=" (the evaluations without improvement before the run stops)")
+        if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or not min_delta >= 0:
+            raise ValueError(f"EarlyStopping(min_delta=...) must be a number >= 0 (the least change that "
+                             f"counts as an improvement, in the metric's direction), got {min_delta!r}")
         self.metric, self.mode, self.patience, self.min_delta, self.source = metric, mode, patience, min_delta, source
         self.best: Optional[float] = None
         self.bad = 0
