@@ -88,9 +88,8 @@ class History:
         keys = [sorted(r["metrics"]) for r in records]
         if records and all(k == keys[0] for k in keys) and all(
                 len(v) == len(r["steps"]) for r in records for v in r["metrics"].values()):
-            # (a column shorter than its steps -- a metric some steps lacked -- keeps the long form)
             # One tensor per column, whatever the run's length: a checkpoint stays a handful
-            # of entries, not six per epoch.
+            # of entries, not six per epoch. (A metric some steps lacked keeps the long form.)
             return {
                 "epochs": [r["epoch"] for r in records],
                 "lengths": [len(r["steps"]) for r in records],
