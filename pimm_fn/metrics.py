@@ -15,6 +15,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from ._validate import check_int
+
 EPS = 1e-10
 
 
@@ -110,11 +112,18 @@ class SegmentationMetric:
     def __init__(self, num_classes: int, ignore_index: int = -1, names: Optional[Sequence[str]] = None,
                  pred_key: str = "pred", target_key: str = "target", *, classes: Optional[Sequence[int]] = None,
                  present: bool = False, per_class: bool = True):
-        self.num_classes, self.ignore_index, self.names = int(num_classes), ignore_index, names
+        self.num_classes = check_int("SegmentationMetric(num_classes=...)", num_classes, 1)
+        if names is not None and len(names) != self.num_classes:
+            raise ValueError(f"SegmentationMetric: {len(names)} names for {self.num_classes} classes; pass one "
+                             "name per class id, in order")
+        self.ignore_index, self.names = ignore_index, names
         self.pred_key, self.target_key = pred_key, target_key
         bad = [c for c in (classes or ()) if not 0 <= int(c) < self.num_classes]
         if bad:
             raise ValueError(f"classes {bad} are not class ids of a {self.num_classes}-class metric")
+        if classes is not None and (not len(classes) or len(set(map(int, classes))) != len(classes)):
+            raise ValueError(f"SegmentationMetric(classes={list(classes)!r}): the means run over these class ids; "
+                             "pass each at most once, and at least one (None: every class)")
         self.classes = None if classes is None else [int(c) for c in classes]
         self.present, self.per_class = bool(present), bool(per_class)
 

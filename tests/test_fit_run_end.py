@@ -128,3 +128,17 @@ def test_early_stopping_names_a_bad_patience_or_min_delta(kwargs, error):
 
     with pytest.raises(error, match="EarlyStopping"):
         EarlyStopping("loss", **kwargs)
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((None, [1]), {}, "eval_fn"), ((lambda s, b: {}, None), {}, "loader"),
+    ((lambda s, b: {}, [1]), {"metric": "mIoU"}, "lacks init"),
+])
+def test_evaluate_names_a_bad_argument_when_built_not_after_an_epoch(args, kwargs, match):
+    from pimm_fn.metrics import Accuracy
+
+    with pytest.raises(TypeError, match=match):
+        Evaluate(*args, **kwargs)
+    with pytest.raises(TypeError, match="instance"):
+        Evaluate(lambda s, b: {}, [1], metric=Accuracy)
+    Evaluate.of(lambda state: {"acc": 1.0})  # the whole-state form takes no loader

@@ -26,3 +26,14 @@ def test_logits_and_labels_still_score_and_other_shapes_are_named():
         accuracy_counts(torch.randn(2, 3, 4), TARGET.reshape(2, 4))  # the class dim not last
     with pytest.raises(ValueError, match="pred has shape"):
         intersection_and_union(torch.randn(8, 1), TARGET, 3)  # one float per point: not logits of 3 classes
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(num_classes=0), ValueError, "num_classes"), (dict(num_classes=2.5), TypeError, "num_classes"),
+    (dict(num_classes=3, names=["ground", "veg"]), ValueError, "2 names for 3 classes"),
+    (dict(num_classes=3, classes=[]), ValueError, "at least one"),
+    (dict(num_classes=3, classes=[1, 1]), ValueError, "at most once"),
+])
+def test_segmentation_metric_names_bad_settings(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        SegmentationMetric(**kwargs)

@@ -16,6 +16,17 @@ def _batches(loader):
     return iter(loader)
 
 
+def _check_metric(metric) -> None:
+    if metric is None:
+        return
+    if isinstance(metric, type):
+        raise TypeError(f"Evaluate(metric=...) takes a metric instance: {metric.__name__}(...), not the class")
+    missing = [m for m in ("init", "update", "reduce", "compute") if not callable(getattr(metric, m, None))]
+    if missing:
+        raise TypeError(f"Evaluate(metric={metric!r}) lacks {', '.join(missing)}: pass e.g. "
+                        "pimm_fn.metrics.SegmentationMetric(num_classes) or Accuracy()")
+
+
 class Evaluate(Callback):
     """Every n steps and/or epochs, evaluate the current state and emit :class:`EvalEnd`.
 
@@ -32,10 +43,20 @@ class Evaluate(Callback):
         end; not on interrupt or failure). name: the EvalEnd name (tags ``<name>/<metric>``).
     """
 
+    _takes_batches = True  # (Evaluate.of's subclass evaluates the whole state in one call)
+
     def __init__(self, eval_fn: Callable, loader, *, metric=None, every_steps: Optional[int] = None,
                  every_epochs: Optional[int] = 1, name: str = "val", at_end: bool = False):
         check_every("every_steps", every_steps)
         check_every("every_epochs", every_epochs)
+        if self._takes_batches:
+            if not callable(eval_fn):
+                raise TypeError(f"Evaluate(eval_fn=...) must be a function eval_fn(state, batch) -> dict of "
+                                f"tensors, got {eval_fn!r}")
+            if loader is None or not (hasattr(loader, "iter_epoch") or hasattr(loader, "__iter__")):
+                raise TypeError(f"Evaluate(loader=...) must be the validation batches (an iterable, or a loader "
+                                f"with iter_epoch), got {loader!r}")
+        _check_metric(metric)
         self.eval_fn, self.loader, self.metric = eval_fn, loader, metric
         self.every_steps, self.every_epochs, self.name, self.at_end = every_steps, every_epochs, name, at_end
         self.last: Optional[dict] = None
@@ -103,6 +124,8 @@ class Evaluate(Callback):
 
 class _WholeStateEvaluate(Evaluate):
     """:meth:`Evaluate.of`: the evaluation is one call of ``fn(state)``."""
+
+    _takes_batches = False
 
     def __init__(self, fn: Callable, **options):
         super().__init__(None, (), **options)
