@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from ._validate import check_int
 from .callbacks.base import Callback
 
 
@@ -22,7 +23,7 @@ class MetricsRecord(Callback):
 
     def __init__(self, path, every_steps: int = 10):
         self.path = Path(path)
-        self.every_steps = max(1, int(every_steps))
+        self.every_steps = check_int("MetricsRecord(every_steps=...)", every_steps, 1)
         self.last_eval: dict = {}
 
     def _write(self, row: dict) -> None:

@@ -142,3 +142,13 @@ def test_evaluate_names_a_bad_argument_when_built_not_after_an_epoch(args, kwarg
     with pytest.raises(TypeError, match="instance"):
         Evaluate(lambda s, b: {}, [1], metric=Accuracy)
     Evaluate.of(lambda state: {"acc": 1.0})  # the whole-state form takes no loader
+
+
+def test_trace_and_metrics_record_refuse_a_cadence_below_one(tmp_path):
+    from pimm_fn.callbacks import Trace
+    from pimm_fn.report import MetricsRecord
+
+    with pytest.raises(ValueError, match="batch_stats_every"):
+        Trace(batch_stats_every=0)
+    with pytest.raises(ValueError, match="every_steps"):
+        MetricsRecord(tmp_path / "metrics.jsonl", every_steps=0)  # it became 1 silently

@@ -18,7 +18,7 @@ import torch
 
 from .. import torch_compat
 from ..data.count import count_batch
-from .base import Callback, due
+from .base import Callback, check_every, due
 
 
 def batch_stats(batch) -> dict:
@@ -31,7 +31,7 @@ def batch_stats(batch) -> dict:
 
 
 class Trace(Callback):
-    """Instants and batch statistics every ``batch_stats_every`` steps.
+    """Instants and batch statistics every ``batch_stats_every`` steps (None: instants only).
 
     jsonl: a path; each record is one JSON line ``{"t", "kind", "name", "step", ...}``,
     appended (a resumed run continues the file). Records are also kept in ``records``
@@ -39,6 +39,7 @@ class Trace(Callback):
     """
 
     def __init__(self, batch_stats_every: int = 1, jsonl: Optional[str] = None, keep: int = 10000):
+        check_every("Trace(batch_stats_every=...)", batch_stats_every)
         self.every = batch_stats_every
         self.path = str(jsonl) if jsonl is not None else None
         self.keep = keep
