@@ -82,7 +82,6 @@ class Checkpoint(Callback):
         self.save_final, self.save_on_interrupt = save_final, save_on_interrupt
         self.best: Optional[float] = None
         self.best_step: Optional[int] = None
-        self.last_saved_step: Optional[int] = None
         self.last_path: Optional[Path] = None
         # The last save's (step, epoch, position): an epoch end after a per-step save of the
         # same step saves again, since its state's cursor has rolled to the next epoch.
@@ -93,6 +92,11 @@ class Checkpoint(Callback):
         self.background = background
         self._writer: Optional[ThreadPoolExecutor] = None
         self._pending: collections.deque = collections.deque()  # (future, step, best), oldest first
+
+    @property
+    def last_saved_step(self) -> Optional[int]:
+        """The step of the last checkpoint written (or handed to the writer), None before."""
+        return None if self._last_saved_at is None else self._last_saved_at[0]
 
     # ----- state kept in checkpoints
     def state_dict(self) -> dict:
@@ -120,8 +124,7 @@ class Checkpoint(Callback):
         """Write a checkpoint of ``state`` now, in the foreground (after any pending writes)."""
         self._finished(wait=True)
         path = self._write(state, step, self._extra(), best)
-        self.last_saved_step, self.last_path = step, path
-        self._last_saved_at = _saved_at(state, step)
+        self.last_path, self._last_saved_at = path, _saved_at(state, step)
         return path
 
     def _write(self, state, step: int, extra: dict, best: bool) -> Path:
@@ -142,8 +145,7 @@ class Checkpoint(Callback):
         with torch.profiler.record_function("checkpoint.save.background"):
             future = self._writer.submit(self._write, state, step, extra, best)
         self._pending.append((future, step, best))
-        self.last_saved_step, self.last_path = step, self.dir.path_for(step)
-        self._last_saved_at = _saved_at(state, step)
+        self.last_path, self._last_saved_at = self.dir.path_for(step), _saved_at(state, step)
         return self._finished(wait=False)
 
     def _finished(self, wait: bool) -> list:

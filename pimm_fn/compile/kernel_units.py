@@ -151,22 +151,25 @@ def _flush(compiler) -> None:
         units[-1].append(k)
         size += len(k.source)
     inductor = torch_compat.inductor_cpp_kernels()
-    submit = compiler.submit if inductor.compile_threads() > 1 else None
     for unit in units:
         if len(unit) == 1:
             _compile_alone(compiler, unit[0])
             continue
         _STATS["kernels"] += len(unit)
         _STATS["units"] += 1
-        library = inductor.CodeCache.load_async(_unit_source(unit), submit_fn=submit)
+        library = inductor.CodeCache.load_async(_unit_source(unit), submit_fn=_submit(compiler))
         for j, k in enumerate(unit):
             k.load = _entry(compiler, unit, library, j)
 
 
+def _submit(compiler):
+    """The compile workers' submit; None (compile when first loaded) without workers."""
+    return compiler.submit if torch_compat.inductor_cpp_kernels().compile_threads() > 1 else None
+
+
 def _compile_alone(compiler, k: _Kernel) -> None:
-    inductor = torch_compat.inductor_cpp_kernels()
-    submit = compiler.submit if inductor.compile_threads() > 1 else None
-    k.load = inductor.CodeCache.load_pybinding_async(k.argtypes, k.source, submit_fn=submit)
+    k.load = torch_compat.inductor_cpp_kernels().CodeCache.load_pybinding_async(
+        k.argtypes, k.source, submit_fn=_submit(compiler))
 
 
 def _entry(compiler, unit: list, library, j: int):
